@@ -1,0 +1,12 @@
+"""fewclip.datasets: dataset registry, readers, few-shot splits and the toy world.
+
+Importing this package registers every dataset; it reads no files.
+"""
+from .base import DATASETS, DataConfig, Dataset, DatasetError, Item, build_dataset, register_dataset
+from . import folder, benchmarks, toytasks  # noqa: F401  (registration)
+from .fewshot import FewShotSplit, make_few_shot_split, read_split, sample_few_shot, subsample_test, write_split
+
+__all__ = [
+    "DATASETS", "DataConfig", "Dataset", "DatasetError", "Item", "build_dataset", "register_dataset",
+    "FewShotSplit", "make_few_shot_split", "read_split", "sample_few_shot", "subsample_test", "write_split",
+]

@@ -1,0 +1,144 @@
+"""The dataset interface and registry.
+
+A dataset is a classification task: class names, prompt templates, and lists of
+labelled items for the ``train``, ``val`` and ``test`` splits. An item is an id
+(a path relative to the dataset root for file datasets, a procedural key for the
+toy world) and an integer label; ``Dataset.load_image(item)`` turns it into an
+RGB PIL image. Building a dataset reads only index files (split JSONs, folder
+listings), never the images themselves.
+
+The registry is a plain dict filled by ``register_dataset`` next to each reader;
+``build_dataset(cfg)`` looks a name up and calls its builder with the
+``DataConfig`` section.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+from PIL import Image
+
+SPLITS = ("train", "val", "test")
+
+
+class DatasetError(ValueError):
+    """Bad dataset input: a missing root, a wrong layout, an unreadable image."""
+
+
+@dataclass
+class DataConfig:
+    """The ``data`` section of a run config."""
+
+    name: str = "toy-shapes"
+    # Folder holding the dataset (for file datasets). For the CoOp benchmark
+    # layouts this is the parent folder that holds e.g. ``oxford_pets/``.
+    root: Optional[str] = None
+    # Optional split file (CoOp's ``split_zhou_*.json`` format) overriding the default.
+    split_file: Optional[str] = None
+    # "ensemble": all of the dataset's prompt templates; "single": the first one.
+    templates: str = "ensemble"
+    # A class with fewer than ``shots`` training images is an error unless this
+    # is set, in which case that class uses all the images it has.
+    allow_fewer_shots: bool = False
+    # Images per batch for feature extraction.
+    batch_size: int = 256
+    # DataLoader worker processes for image decoding (0 = in the main process).
+    workers: int = 0
+    # Use at most this many test images (a seeded, class-stratified subset); null = all.
+    max_test: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.templates not in ("ensemble", "single"):
+            raise ValueError(f"data.templates must be 'ensemble' or 'single', got {self.templates!r}")
+        if self.batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {self.batch_size}")
+        if self.workers < 0:
+            raise ValueError(f"data.workers must be >= 0, got {self.workers}")
+
+
+@dataclass(frozen=True)
+class Item:
+    """One labelled image: ``id`` is stable across runs and is what split JSONs record."""
+
+    id: str
+    label: int
+
+
+@dataclass
+class Dataset:
+    """A classification task. Subclasses override ``load_image``."""
+
+    name: str
+    classnames: List[str]
+    templates: List[str]
+    splits: Dict[str, List[Item]] = field(default_factory=dict)
+    root: Optional[Path] = None
+
+    def items(self, split: str) -> List[Item]:
+        if split not in self.splits:
+            raise DatasetError(f"dataset {self.name!r} has no {split!r} split (has: {sorted(self.splits)})")
+        return self.splits[split]
+
+    def load_image(self, item: Item) -> Image.Image:
+        """Open ``root / item.id`` as RGB; an unreadable file is an error naming it."""
+        if self.root is None:
+            raise DatasetError(f"dataset {self.name!r} has no root folder to load {item.id!r} from")
+        path = self.root / item.id
+        try:
+            with Image.open(path) as im:
+                return im.convert("RGB")
+        except FileNotFoundError:
+            raise DatasetError(f"image file not found: {path} (dataset {self.name!r})") from None
+        except Exception as e:  # PIL raises several types for damaged files
+            raise DatasetError(f"cannot read image {path} (dataset {self.name!r}): {e}") from None
+
+    def prompts(self, mode: str = "ensemble") -> List[str]:
+        """The templates in use: all of them, or only the first for ``mode='single'``."""
+        return list(self.templates) if mode == "ensemble" else list(self.templates[:1])
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    name: str
+    builder: Callable[[DataConfig], Dataset]
+    description: str
+    # Where the reader expects its files, shown by `fewclip datasets` and in errors.
+    layout: str
+    needs_root: bool = True
+
+
+DATASETS: Dict[str, DatasetInfo] = {}
+
+
+def register_dataset(
+    name: str,
+    builder: Callable[[DataConfig], Dataset],
+    *,
+    description: str,
+    layout: str,
+    needs_root: bool = True,
+) -> None:
+    if name != name.lower():
+        raise ValueError(f"dataset names are lowercase, got {name!r}")
+    if name in DATASETS:
+        raise ValueError(f"dataset {name!r} is registered twice")
+    DATASETS[name] = DatasetInfo(name, builder, description, layout, needs_root)
+
+
+def build_dataset(cfg: DataConfig) -> Dataset:
+    info = DATASETS.get(cfg.name)
+    if info is None:
+        raise DatasetError(
+            f"unknown dataset data.name={cfg.name!r}; registered: {', '.join(sorted(DATASETS))} "
+            f"(`fewclip datasets` lists them with their expected layouts)"
+        )
+    if info.needs_root and not cfg.root:
+        raise DatasetError(
+            f"dataset {cfg.name!r} needs data.root=PATH; expected layout:\n{info.layout}"
+        )
+    if info.needs_root and not Path(cfg.root).is_dir():
+        raise DatasetError(
+            f"data.root={cfg.root!r} is not a folder; dataset {cfg.name!r} expects:\n{info.layout}"
+        )
+    return info.builder(cfg)

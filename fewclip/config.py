@@ -1,0 +1,141 @@
+"""Run configuration: omegaconf structured dataclasses, YAML pieces, CLI dotlist.
+
+Every command takes ``[file.yaml ...] [key=value ...]``: defaults come from the
+dataclasses below, each YAML file is merged on top in order (a partial
+override of the whole tree), and the ``key=value`` pairs last. The tree is in
+struct mode, so an unknown key or a value of the wrong type fails with a
+message naming the key.
+
+Shorthands: ``backbone=NAME``, ``data=NAME`` and ``adapter=NAME`` set the
+section's ``name`` (``backbone=ViT-B-32 backbone.pretrained=openai``).
+
+A YAML argument that is not an existing file is also looked up among the
+config pieces shipped with fewclip (``configs/`` in the repository), so
+``fewclip sweep sweep/demo.yaml`` works from any folder.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, List, Optional, Sequence, Tuple, Type
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from .backbones import BackboneConfig
+from fewclip.datasets.base import DataConfig
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+SHORTHANDS = ("backbone", "data", "adapter")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be parsed or validated; the message names the key."""
+
+
+@dataclass
+class RunConfig:
+    backbone: BackboneConfig = field(default_factory=BackboneConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    # Run directory: config.yaml, metrics.json and the rest go here.
+    out: Optional[str] = None
+    seed: int = 1
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+
+
+def packaged_config_dirs() -> List[Path]:
+    dirs = [CONFIG_DIR]
+    try:
+        import fewclip.configs as pkg  # installed copy of configs/
+
+        dirs.append(Path(pkg.__file__).resolve().parent)
+    except Exception:
+        pass
+    return dirs
+
+
+def find_yaml(arg: str) -> Path:
+    p = Path(arg)
+    if p.is_file():
+        return p
+    rel = Path(*p.parts[1:]) if p.parts and p.parts[0] == "configs" else p
+    for d in packaged_config_dirs():
+        if (d / rel).is_file():
+            return d / rel
+    raise ConfigError(f"config file not found: {arg} (looked here and in {CONFIG_DIR})")
+
+
+def split_args(args: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """Separate YAML files from key=value overrides; anything else is an error."""
+    yamls, dotlist = [], []
+    for a in args:
+        if "=" in a:
+            key, value = a.split("=", 1)
+            if key in SHORTHANDS:
+                key = f"{key}.name"
+            dotlist.append(f"{key}={value}")
+        elif a.endswith((".yaml", ".yml")):
+            yamls.append(a)
+        else:
+            raise ConfigError(f"argument {a!r} is neither a YAML file nor key=value")
+    return yamls, dotlist
+
+
+def _friendly(e: OmegaConfBaseException) -> str:
+    msg = str(e).split("\n")[0]
+    key = getattr(e, "full_key", None)
+    if key and key not in msg:
+        msg = f"{key}: {msg}"
+    return msg
+
+
+def compose(schema: Type, args: Sequence[str], base: Optional[DictConfig] = None) -> DictConfig:
+    yamls, dotlist = split_args(args)
+    cfg = base if base is not None else OmegaConf.structured(schema)
+    OmegaConf.set_struct(cfg, True)
+    try:
+        for y in yamls:
+            path = find_yaml(y)
+            piece = OmegaConf.load(path)
+            for key in SHORTHANDS:  # allow `backbone: toy-clip` in YAML too
+                if isinstance(piece.get(key, None), str):
+                    piece[key] = {"name": piece[key]}
+            cfg = OmegaConf.merge(cfg, piece)
+        if dotlist:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotlist))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"bad config: {_friendly(e)}") from None
+    return cfg
+
+
+def to_object(cfg: DictConfig) -> Any:
+    """Instantiate the dataclasses (running their ``__post_init__`` checks)."""
+    try:
+        return OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as e:
+        cause = e.__cause__ if isinstance(e.__cause__, ValueError) else None
+        raise ConfigError(f"bad config: {cause or _friendly(e)}") from None
+    except ValueError as e:
+        raise ConfigError(f"bad config: {e}") from None
+
+
+def load_config(args: Sequence[str], schema: Type = RunConfig) -> Any:
+    return to_object(compose(schema, args))
+
+
+def to_yaml(obj: Any) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(obj))
+
+
+def as_dict(obj: Any) -> Any:
+    if is_dataclass(obj):
+        return {f.name: as_dict(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [as_dict(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: as_dict(v) for k, v in obj.items()}
+    return obj

@@ -1,0 +1,602 @@
+"""Summarise a tree of finished runs into tables and an accuracy-vs-shots figure.
+
+``fewclip report DIR`` calls :func:`write_report`. Every directory under ``DIR``
+that holds a ``metrics.json`` is one run::
+
+    {"method": "coop", "dataset": "toy-shapes", "backbone": "toy-clip",
+     "shots": 16, "seed": 1, "top1": 83.25, ...}
+
+Runs are grouped into cells by (backbone, dataset, method, shots) and each cell
+is summarised over its seeds. The zero-shot baseline is the method
+``"zeroshot"`` at 0 shots.
+
+Conventions (also stated in ``report.md``):
+
+* ``std`` is the sample standard deviation (ddof=1) and ``ci95`` the half-width
+  of the 95% confidence interval of the mean, ``t(0.975, n-1) * std / sqrt(n)``.
+  With one seed both are undefined: they are ``None`` here, empty in
+  ``report.csv``, ``null`` in ``report.json``, left out of ``report.md`` and
+  drawn without an error bar. No output ever holds NaN.
+* An average row (``dataset == "average"``) is the plain mean of the
+  per-dataset means over the datasets that have that cell; its ``n`` counts
+  those datasets, ``datasets`` names them, ``complete`` says whether every
+  dataset of that backbone is included (``report.md`` marks the others with
+  a dagger and lists what is missing). Its ``std``/``ci95`` are ``None``:
+  spread over datasets is not a confidence interval of anything. With a
+  single dataset ``report.md`` leaves the (identical) average rows out.
+* ``delta_zeroshot`` is the cell mean minus the zero-shot mean (over its
+  seeds) of the same backbone and dataset, in accuracy points; ``None`` when
+  that dataset has no zero-shot run. On an average row it is the mean of the
+  per-dataset deltas, given only when every averaged dataset has a zero-shot
+  run (otherwise it would compare different sets of datasets).
+* Figures: ``accuracy_vs_shots.png`` shows the first backbone (sorted by
+  name), one panel per dataset plus an "Average" panel when there are two or
+  more datasets (a hollow marker is an average over only some datasets).
+  With several backbones, ``accuracy_vs_shots_<backbone>.png`` is also
+  written for each of them, and ``report.md`` links those.
+
+A malformed ``metrics.json`` is skipped with a warning naming it; of several
+runs with the same (method, dataset, backbone, shots, seed), the first in
+sorted path order is kept and the others are skipped with a warning.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import math
+import re
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from fewclip.io import atomic_write, atomic_write_json, atomic_write_text, read_json
+
+logger = logging.getLogger(__name__)
+
+ZEROSHOT = "zeroshot"
+AVERAGE = "average"
+METRICS_FILE = "metrics.json"
+FIGURE_FILE = "accuracy_vs_shots.png"
+CSV_COLUMNS = (
+    "backbone", "dataset", "method", "shots", "mean", "std", "ci95", "n",
+    "delta_zeroshot", "seeds", "datasets",
+)
+
+# t_{0.975, df} for df = 1..30 (two-sided 95%); beyond 30 see t_critical_975.
+_T975 = (
+    12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
+    2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
+    2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423,
+)
+_Z975 = 1.959963984540054
+
+
+class NoRunsFoundError(ValueError):
+    """``fewclip report`` found no usable ``metrics.json`` under the run root."""
+
+
+def t_critical_975(df: int) -> float:
+    """Two-sided 95% Student's t critical value, ``t_{0.975, df}``.
+
+    A table for df 1..30; above that the Cornish-Fisher expansion around the
+    normal quantile (Abramowitz & Stegun 26.7.5), good to better than 1e-4.
+    """
+    if df < 1:
+        raise ValueError(f"df must be >= 1, got {df}")
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z, v = _Z975, float(df)
+    g1 = (z**3 + z) / 4
+    g2 = (5 * z**5 + 16 * z**3 + 3 * z) / 96
+    g3 = (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / 384
+    g4 = (79 * z**9 + 776 * z**7 + 1482 * z**5 - 1920 * z**3 - 945 * z) / 92160
+    return z + g1 / v + g2 / v**2 + g3 / v**3 + g4 / v**4
+
+
+def summarize(values: Sequence[float]) -> tuple[float, float | None, float | None]:
+    """``(mean, std, ci95)`` of ``values``; std and ci95 are None for one value."""
+    if not values:
+        raise ValueError("summarize needs at least one value")
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, None, None
+    std = statistics.stdev(values)
+    return mean, std, t_critical_975(len(values) - 1) * std / math.sqrt(len(values))
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One run: the fields of its ``metrics.json`` that the report uses."""
+
+    method: str
+    dataset: str
+    backbone: str
+    shots: int
+    seed: int
+    top1: float
+    path: Path
+
+
+@dataclass(frozen=True)
+class SkippedFile:
+    path: Path
+    reason: str
+
+
+@dataclass(frozen=True)
+class CellStats:
+    """Accuracy of one (backbone, dataset, method, shots) cell over seeds.
+
+    On an average row ``dataset == "average"``, ``n`` counts datasets and
+    ``seeds`` is empty; see the module docstring for the conventions.
+    """
+
+    backbone: str
+    dataset: str
+    method: str
+    shots: int
+    mean: float
+    std: float | None
+    ci95: float | None
+    n: int
+    delta_zeroshot: float | None
+    seeds: tuple[int, ...] = ()
+    values: tuple[float, ...] = ()
+    datasets: tuple[str, ...] = ()
+    complete: bool = True
+
+    @property
+    def is_average(self) -> bool:
+        return self.dataset == AVERAGE
+
+
+@dataclass
+class Report:
+    run_root: Path
+    runs: list[RunResult]
+    cells: list[CellStats]
+    skipped: list[SkippedFile]
+    markdown: str
+    paths: dict[str, Path] = field(default_factory=dict)
+
+    @property
+    def backbones(self) -> list[str]:
+        return sorted({c.backbone for c in self.cells})
+
+    def cell(self, backbone: str, dataset: str, method: str, shots: int) -> CellStats:
+        for c in self.cells:
+            if (c.backbone, c.dataset, c.method, c.shots) == (backbone, dataset, method, shots):
+                return c
+        raise KeyError((backbone, dataset, method, shots))
+
+
+# ----------------------------------------------------------------------------
+# Reading runs
+
+
+def _require(obj: dict, key: str, kind: str) -> Any:
+    if key not in obj:
+        raise ValueError(f"missing key {key!r}")
+    value = obj[key]
+    if kind == "str":
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"{key!r} must be a non-empty string, got {value!r}")
+        return value
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+            raise ValueError(f"{key!r} must be an integer, got {value!r}")
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{key!r} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _parse_metrics(obj: Any, path: Path) -> RunResult:
+    if not isinstance(obj, dict):
+        raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    run = RunResult(
+        method=_require(obj, "method", "str"),
+        dataset=_require(obj, "dataset", "str"),
+        backbone=_require(obj, "backbone", "str"),
+        shots=_require(obj, "shots", "int"),
+        seed=_require(obj, "seed", "int"),
+        top1=_require(obj, "top1", "float"),
+        path=path,
+    )
+    if run.dataset == AVERAGE:
+        raise ValueError(f"'dataset' may not be {AVERAGE!r} (reserved for the average row)")
+    if run.shots < 0:
+        raise ValueError(f"'shots' must be >= 0, got {run.shots}")
+    if not 0.0 <= run.top1 <= 100.0:
+        raise ValueError(f"'top1' is a percentage in [0, 100], got {run.top1}")
+    return run
+
+
+def load_runs(run_root: str | Path) -> tuple[list[RunResult], list[SkippedFile]]:
+    """Read every ``metrics.json`` under ``run_root``; return (runs, skipped).
+
+    Files are read in sorted path order. A malformed file, or a second run of
+    an already-seen (method, dataset, backbone, shots, seed), is skipped with
+    a logged warning.
+    """
+    run_root = Path(run_root)
+    if not run_root.is_dir():
+        raise NoRunsFoundError(f"run directory {str(run_root)!r} does not exist or is not a directory")
+    runs: list[RunResult] = []
+    skipped: list[SkippedFile] = []
+    seen: dict[tuple, Path] = {}
+    for path in sorted(p for p in run_root.rglob(METRICS_FILE) if p.is_file()):
+        try:
+            run = _parse_metrics(read_json(path), path)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+            logger.warning("skipping malformed %s: %s", path, e)
+            skipped.append(SkippedFile(path, f"malformed: {e}"))
+            continue
+        key = (run.method, run.dataset, run.backbone, run.shots, run.seed)
+        if key in seen:
+            logger.warning("skipping %s: duplicate of %s (method, dataset, backbone, shots, seed = %s)",
+                           path, seen[key], key)
+            skipped.append(SkippedFile(path, f"duplicate of {seen[key]}"))
+            continue
+        if run.method == ZEROSHOT and run.shots != 0:
+            logger.warning("%s: method %r with shots=%d is not used as the zero-shot baseline "
+                           "(that is shots=0)", path, ZEROSHOT, run.shots)
+        seen[key] = path
+        runs.append(run)
+    return runs, skipped
+
+
+# ----------------------------------------------------------------------------
+# Aggregation
+
+
+def _method_key(method: str) -> tuple[int, str]:
+    return (0 if method == ZEROSHOT else 1, method)
+
+
+def _cell_key(c: CellStats) -> tuple:
+    return (c.backbone, c.is_average, c.dataset, _method_key(c.method), c.shots)
+
+
+def aggregate(runs: Iterable[RunResult]) -> list[CellStats]:
+    """Per-dataset cells and, per backbone, average-over-datasets rows, sorted."""
+    groups: dict[tuple[str, str, str, int], list[RunResult]] = {}
+    for r in runs:
+        groups.setdefault((r.backbone, r.dataset, r.method, r.shots), []).append(r)
+
+    # Zero-shot baseline per (backbone, dataset): mean over its seeds.
+    zs_mean = {
+        (bb, ds): statistics.fmean(r.top1 for r in rs)
+        for (bb, ds, method, shots), rs in groups.items()
+        if method == ZEROSHOT and shots == 0
+    }
+
+    cells: list[CellStats] = []
+    for (bb, ds, method, shots), rs in groups.items():
+        rs = sorted(rs, key=lambda r: r.seed)
+        values = [r.top1 for r in rs]
+        mean, std, ci95 = summarize(values)
+        base = zs_mean.get((bb, ds))
+        cells.append(CellStats(
+            backbone=bb, dataset=ds, method=method, shots=shots,
+            mean=mean, std=std, ci95=ci95, n=len(values),
+            delta_zeroshot=None if base is None else mean - base,
+            seeds=tuple(r.seed for r in rs), values=tuple(values), datasets=(ds,),
+        ))
+
+    datasets_of: dict[str, set[str]] = {}
+    by_avg_key: dict[tuple[str, str, int], list[CellStats]] = {}
+    for c in cells:
+        datasets_of.setdefault(c.backbone, set()).add(c.dataset)
+        by_avg_key.setdefault((c.backbone, c.method, c.shots), []).append(c)
+    for (bb, method, shots), cs in by_avg_key.items():
+        cs = sorted(cs, key=lambda c: c.dataset)
+        deltas = [c.delta_zeroshot for c in cs]
+        cells.append(CellStats(
+            backbone=bb, dataset=AVERAGE, method=method, shots=shots,
+            mean=statistics.fmean(c.mean for c in cs), std=None, ci95=None, n=len(cs),
+            delta_zeroshot=None if None in deltas else statistics.fmean(deltas),
+            datasets=tuple(c.dataset for c in cs),
+            complete=len(cs) == len(datasets_of[bb]),
+        ))
+    return sorted(cells, key=_cell_key)
+
+
+# ----------------------------------------------------------------------------
+# Markdown
+
+
+def _md_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """A pipe table padded so it also reads well as plain text."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
+    aligns = ["<", "<"] + [">"] * (len(headers) - 2)
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(f"{c:{a}{w}}" for c, a, w in zip(cells, aligns, widths)) + " |"
+
+    rule = "|" + "|".join(("-" * (w + 1) + ":") if a == ">" else ("-" * (w + 2))
+                          for a, w in zip(aligns, widths)) + "|"
+    return [line(headers), rule, *(line(r) for r in rows)]
+
+
+def _fmt_cell(c: CellStats, n_datasets: int, best: bool) -> str:
+    text = f"{c.mean:.2f}"
+    if best:
+        text = f"**{text}**"
+    if c.is_average:
+        return text if c.complete else f"{text} ({c.n}/{n_datasets})†"
+    if c.ci95 is not None:
+        text += f" ± {c.ci95:.2f}"
+    return f"{text} ({c.n})"
+
+
+def figure_names(backbones: Sequence[str]) -> dict[str, str]:
+    """backbone -> figure file name (the first backbone gets the main name too)."""
+    if len(backbones) == 1:
+        return {backbones[0]: FIGURE_FILE}
+    names: dict[str, str] = {}
+    for bb in backbones:
+        stem = f"accuracy_vs_shots_{re.sub(r'[^A-Za-z0-9._-]+', '_', bb)}"
+        name, k = f"{stem}.png", 2
+        while name in names.values():  # "a/b" and "a_b" must not share a file
+            name, k = f"{stem}_{k}.png", k + 1
+        names[bb] = name
+    return names
+
+
+def _backbone_markdown(bb: str, cells: list[CellStats], figure: str) -> list[str]:
+    datasets = sorted({c.dataset for c in cells if not c.is_average})
+    if len(datasets) == 1:  # the average would repeat the dataset's rows
+        cells = [c for c in cells if not c.is_average]
+    row_keys = list(dict.fromkeys((c.dataset, c.method) for c in cells))  # already sorted
+    shots = sorted({c.shots for c in cells})
+    at = {(c.dataset, c.method, c.shots): c for c in cells}
+
+    # Best mean per (dataset, shots) among 2+ methods; ties all bold.
+    best: dict[tuple[str, int], float] = {}
+    counts: dict[tuple[str, int], int] = {}
+    for c in cells:
+        k = (c.dataset, c.shots)
+        best[k] = max(best.get(k, -math.inf), c.mean)
+        counts[k] = counts.get(k, 0) + 1
+
+    def label(ds: str) -> str:
+        return "**average**" if ds == AVERAGE else ds
+
+    headers = ["Dataset", "Method", *(f"{s}-shot" for s in shots)]
+    rows = []
+    for ds, method in row_keys:
+        row = [label(ds), method]
+        for s in shots:
+            c = at.get((ds, method, s))
+            is_best = c is not None and counts[(ds, s)] > 1 and c.mean == best[(ds, s)]
+            row.append("–" if c is None else _fmt_cell(c, len(datasets), is_best))
+        rows.append(row)
+
+    out = [f"## Backbone `{bb}`", "", *_md_table(headers, rows), ""]
+
+    delta_cells = [c for c in cells if c.method != ZEROSHOT and c.delta_zeroshot is not None]
+    if not any(c.method == ZEROSHOT and c.shots == 0 for c in cells):
+        out += ["No zero-shot run for this backbone, so no gain over zero-shot.", ""]
+    elif delta_cells:
+        d_shots = sorted({c.shots for c in delta_cells})
+        d_rows = list(dict.fromkeys((c.dataset, c.method) for c in delta_cells))
+        d_at = {(c.dataset, c.method, c.shots): c for c in delta_cells}
+        out += [f"### Gain over zero-shot, `{bb}` (accuracy points, mean − zero-shot mean)", ""]
+        body = [[label(ds), m, *(f"{d_at[(ds, m, s)].delta_zeroshot:+.2f}" if (ds, m, s) in d_at else "–"
+                                 for s in d_shots)] for ds, m in d_rows]
+        out += [*_md_table(["Dataset", "Method", *(f"{s}-shot" for s in d_shots)], body), ""]
+
+    incomplete = [c for c in cells if c.is_average and not c.complete]
+    if incomplete:
+        out.append("† Average over only some datasets:")
+        for c in incomplete:
+            missing = ", ".join(d for d in datasets if d not in c.datasets)
+            out.append(f"- `{c.method}` at {c.shots} shots: {', '.join(c.datasets)} (missing: {missing})")
+        out.append("")
+    out += [f"![accuracy vs. shots, {bb}]({figure})", ""]
+    return out
+
+
+def render_markdown(run_root: Path, runs: list[RunResult], cells: list[CellStats],
+                    skipped: list[SkippedFile]) -> str:
+    backbones = sorted({c.backbone for c in cells})
+    figures = figure_names(backbones)
+    out = [
+        "# fewclip report",
+        "",
+        f"{len(runs)} runs from `{run_root}`"
+        + (f" ({len(skipped)} file(s) skipped, listed at the end)." if skipped else "."),
+        "",
+        "Cells: mean top-1 accuracy (%) over seeds ± 95% confidence half-width "
+        "(Student's t, sample std), number of seeds in brackets; one seed gives the mean alone. "
+        "**Bold**: best mean in that column for that dataset. "
+        "Average rows: mean over datasets of the per-dataset means.",
+        "",
+    ]
+    for bb in backbones:
+        out += _backbone_markdown(bb, [c for c in cells if c.backbone == bb], figures[bb])
+    if skipped:
+        out += ["## Skipped files", ""]
+        for s in skipped:
+            try:
+                shown = s.path.relative_to(run_root)
+            except ValueError:
+                shown = s.path
+            out.append(f"- `{shown}`: {s.reason}")
+        out.append("")
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------
+# CSV / JSON
+
+
+def _num(x: float | None) -> float | None:
+    return None if x is None else round(x, 6)
+
+
+def render_csv(cells: Sequence[CellStats]) -> str:
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(CSV_COLUMNS)
+    for c in cells:
+        w.writerow([
+            c.backbone, c.dataset, c.method, c.shots,
+            *("" if v is None else v for v in map(_num, (c.mean, c.std, c.ci95))),
+            c.n, "" if c.delta_zeroshot is None else _num(c.delta_zeroshot),
+            ";".join(map(str, c.seeds)), ";".join(c.datasets),
+        ])
+    return buf.getvalue()
+
+
+def to_json(report_root: Path, runs: list[RunResult], cells: Sequence[CellStats],
+            skipped: Sequence[SkippedFile]) -> dict:
+    """``backbones[bb]["results"][dataset or "average"][method][str(shots)]`` -> stats."""
+    backbones: dict[str, Any] = {}
+    for c in cells:
+        bb = backbones.setdefault(c.backbone, {"datasets": [], "results": {}})
+        if not c.is_average and c.dataset not in bb["datasets"]:
+            bb["datasets"].append(c.dataset)
+        entry = {"mean": _num(c.mean), "std": _num(c.std), "ci95": _num(c.ci95), "n": c.n,
+                 "delta_zeroshot": _num(c.delta_zeroshot)}
+        if c.is_average:
+            entry.update(datasets=list(c.datasets), complete=c.complete)
+        else:
+            entry.update(seeds=list(c.seeds), values=list(c.values))
+        bb["results"].setdefault(c.dataset, {}).setdefault(c.method, {})[str(c.shots)] = entry
+    return {
+        "run_root": str(report_root),
+        "n_runs": len(runs),
+        "conventions": {
+            "std": "sample standard deviation (ddof=1); null with one seed",
+            "ci95": "t(0.975, n-1) * std / sqrt(n); null with one seed",
+            "delta_zeroshot": "mean - zero-shot mean of the same backbone and dataset (points)",
+            "average": "mean over the datasets listed of the per-dataset means; n counts datasets",
+        },
+        "backbones": backbones,
+        "skipped": [{"path": str(s.path), "reason": s.reason} for s in skipped],
+    }
+
+
+# ----------------------------------------------------------------------------
+# Figure
+
+
+def plot_accuracy_vs_shots(cells: Sequence[CellStats], backbone: str):
+    """CoOp-style figure for one backbone: a panel per dataset (+ average).
+
+    Returns a ``matplotlib.figure.Figure`` built without pyplot, so no GUI
+    backend is touched.
+    """
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import NullLocator
+
+    cells = [c for c in cells if c.backbone == backbone]
+    datasets = sorted({c.dataset for c in cells if not c.is_average})
+    panels = datasets + ([AVERAGE] if len(datasets) > 1 else [])
+    methods = sorted({c.method for c in cells if c.method != ZEROSHOT})
+    cmap = colormaps["tab10" if len(methods) <= 10 else "tab20"]
+    color = {m: cmap(i % cmap.N) for i, m in enumerate(methods)}
+    xs = sorted({c.shots for c in cells if c.shots > 0})
+
+    ncols = min(4, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    fig = Figure(figsize=(3.6 * ncols, 3.0 * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    handles: dict[str, Any] = {}
+    for ax, ds in zip(axes, panels):
+        here = [c for c in cells if c.dataset == ds]
+        for c in here:
+            if c.shots == 0:  # zero-shot (or any 0-shot method): a horizontal line
+                is_zs = c.method == ZEROSHOT
+                h = ax.axhline(c.mean, ls="--", lw=1.2, color="0.3" if is_zs else color[c.method])
+                handles.setdefault("zero-shot" if is_zs else f"{c.method} (0-shot)", h)
+        for i, m in enumerate(methods):
+            pts = sorted((c for c in here if c.method == m and c.shots > 0), key=lambda c: c.shots)
+            if not pts:
+                continue
+            # Nudge methods apart along log2(x) so overlapping error bars stay readable.
+            dodge = 2 ** (0.05 * (i - (len(methods) - 1) / 2))
+            x = [c.shots * dodge for c in pts]
+            h = ax.errorbar(x, [c.mean for c in pts], yerr=[c.ci95 or 0.0 for c in pts],
+                            color=color[m], marker="o", ms=4, lw=1.5, capsize=3)
+            handles.setdefault(m, h)
+            partial = [(xi, c.mean) for xi, c in zip(x, pts) if not c.complete]
+            if partial:  # averages over only some datasets: hollow markers
+                ax.plot(*zip(*partial), ls="none", marker="o", ms=6, mfc="white", mec=color[m], zorder=3)
+                handles.setdefault("average over only some datasets", ax.plot(
+                    [], [], ls="none", marker="o", ms=6, mfc="white", mec="0.3")[0])
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_minor_locator(NullLocator())
+        if xs:
+            ax.set_xticks(xs, [str(s) for s in xs])
+            ax.set_xlim(xs[0] / 1.5, xs[-1] * 1.5)
+        else:
+            ax.set_xticks([])
+            ax.set_xlim(1, 16)
+        ax.set_title("Average over datasets" if ds == AVERAGE else ds, fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.set_xlabel("shots per class")
+        ax.set_ylabel("top-1 accuracy (%)")
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    fig.suptitle(f"Accuracy vs. shots: {backbone}", fontsize=11)
+    fig.legend(list(handles.values()), list(handles.keys()), loc="upper center",
+               bbox_to_anchor=(0.5, 0.0), ncol=min(len(handles), 5), frameon=False, fontsize=9)
+    return fig
+
+
+def _save_figure(fig, path: Path) -> Path:
+    return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
+
+
+# ----------------------------------------------------------------------------
+# Entry points
+
+
+def build_report(run_root: str | Path) -> Report:
+    """Read and aggregate the runs under ``run_root``; writes nothing."""
+    run_root = Path(run_root)
+    runs, skipped = load_runs(run_root)
+    if not runs:
+        detail = (f"; {len(skipped)} {METRICS_FILE} file(s) were skipped as unusable, see the warnings"
+                  if skipped else "")
+        raise NoRunsFoundError(
+            f"no runs found under {str(run_root)!r}: expected run directories holding a {METRICS_FILE} "
+            f"with method, dataset, backbone, shots, seed and top1{detail}"
+        )
+    cells = aggregate(runs)
+    return Report(run_root=run_root, runs=runs, cells=cells, skipped=skipped,
+                  markdown=render_markdown(run_root, runs, cells, skipped))
+
+
+def write_report(run_root: str | Path, out_dir: str | Path | None = None) -> Report:
+    """Build the report and write report.md/.csv/.json and the figure(s) to ``out_dir``.
+
+    ``out_dir`` defaults to ``run_root``. Returns the :class:`Report`, whose
+    ``markdown`` the CLI prints and whose ``paths`` name the files written.
+    """
+    report = build_report(run_root)
+    out = Path(out_dir) if out_dir is not None else report.run_root
+    paths = {
+        "md": atomic_write_text(out / "report.md", report.markdown),
+        "csv": atomic_write_text(out / "report.csv", render_csv(report.cells)),
+        "json": atomic_write_json(out / "report.json",
+                                  to_json(report.run_root, report.runs, report.cells, report.skipped)),
+    }
+    backbones = report.backbones
+    names = figure_names(backbones)
+    for i, bb in enumerate(backbones):
+        fig = plot_accuracy_vs_shots(report.cells, bb)
+        if i == 0:
+            paths["png"] = _save_figure(fig, out / FIGURE_FILE)
+        if names[bb] != FIGURE_FILE:
+            paths[f"png:{bb}"] = _save_figure(fig, out / names[bb])
+    report.paths = paths
+    logger.info("wrote %s", ", ".join(str(p) for p in paths.values()))
+    return report

@@ -1,0 +1,184 @@
+import csv
+import json
+import logging
+import math
+
+import pytest
+
+from fewclip.report import (
+    NoRunsFoundError,
+    aggregate,
+    build_report,
+    load_runs,
+    summarize,
+    t_critical_975,
+    write_report,
+)
+
+T2 = 4.302653  # t_{0.975, 2}
+
+
+def add_run(root, method, dataset, shots, seed, top1, backbone="toy-clip", name=None, **extra):
+    d = root / backbone / dataset / method / f"{shots}shot" / (name or f"seed{seed}")
+    d.mkdir(parents=True)
+    m = {"method": method, "dataset": dataset, "backbone": backbone, "shots": shots,
+         "seed": seed, "top1": top1, **extra}
+    (d / "metrics.json").write_text(json.dumps(m))
+    return d
+
+
+@pytest.fixture
+def runs(tmp_path):
+    """Two datasets; coop 16-shot on both, coop 4-shot on "shapes" only."""
+    for seed, top1 in zip((1, 2, 3), (70.0, 80.0, 90.0)):
+        add_run(tmp_path, "coop", "shapes", 16, seed, top1)
+    for seed, top1 in zip((1, 2, 3), (60.0, 62.0, 64.0)):
+        add_run(tmp_path, "coop", "colors", 16, seed, top1)
+    add_run(tmp_path, "coop", "shapes", 4, 1, 65.0)  # one seed
+    for seed in (1, 2):  # same zero-shot value from two seeds
+        add_run(tmp_path, "zeroshot", "shapes", 0, seed, 50.0)
+    add_run(tmp_path, "zeroshot", "colors", 0, 1, 40.0)
+    return tmp_path
+
+
+def _t_cdf_minus_half(t, df, n=2000):
+    """P(0 < T < t) for Student's t, by Simpson's rule on the density."""
+    c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    f = lambda x: c * (1 + x * x / df) ** (-(df + 1) / 2)  # noqa: E731
+    h = t / n
+    s = f(0) + f(t) + sum((4 if i % 2 else 2) * f(i * h) for i in range(1, n))
+    return s * h / 3
+
+
+@pytest.mark.parametrize("df", [*range(1, 31), 31, 45, 100, 1000])
+def test_t_critical_matches_t_distribution(df):
+    assert _t_cdf_minus_half(t_critical_975(df), df) == pytest.approx(0.475, abs=1e-4)
+
+
+def test_summarize_hand_computed():
+    mean, std, ci = summarize([70.0, 80.0, 90.0])
+    assert mean == 80.0 and std == pytest.approx(10.0)
+    assert ci == pytest.approx(T2 * 10 / math.sqrt(3), rel=1e-4)
+    assert summarize([65.0]) == (65.0, None, None)
+
+
+def test_cells_delta_and_average(runs):
+    report = build_report(runs)
+    c = report.cell("toy-clip", "shapes", "coop", 16)
+    assert (c.mean, c.n, c.seeds) == (80.0, 3, (1, 2, 3))
+    assert c.std == pytest.approx(10.0)
+    assert c.ci95 == pytest.approx(T2 * 10 / math.sqrt(3), rel=1e-4)
+    assert c.delta_zeroshot == pytest.approx(30.0)
+    zs = report.cell("toy-clip", "shapes", "zeroshot", 0)
+    assert (zs.mean, zs.std, zs.ci95, zs.delta_zeroshot) == (50.0, 0.0, 0.0, 0.0)
+    assert report.cell("toy-clip", "colors", "coop", 16).delta_zeroshot == pytest.approx(22.0)
+
+    avg = report.cell("toy-clip", "average", "coop", 16)
+    assert avg.mean == pytest.approx(71.0)  # (80 + 62) / 2
+    assert avg.delta_zeroshot == pytest.approx(26.0)  # (30 + 22) / 2
+    assert (avg.n, avg.datasets, avg.complete) == (2, ("colors", "shapes"), True)
+    partial = report.cell("toy-clip", "average", "coop", 4)
+    assert (partial.mean, partial.datasets, partial.complete) == (65.0, ("shapes",), False)
+    assert report.cell("toy-clip", "average", "zeroshot", 0).mean == pytest.approx(45.0)
+
+
+def test_no_zeroshot_gives_no_delta(tmp_path):
+    add_run(tmp_path, "coop", "shapes", 16, 1, 70.0)
+    (c, avg) = build_report(tmp_path).cells
+    assert c.delta_zeroshot is None and avg.delta_zeroshot is None
+    assert "no gain over zero-shot" in build_report(tmp_path).markdown
+
+
+def test_write_report_files(runs, tmp_path):
+    out = tmp_path / "out"
+    report = write_report(runs, out)
+    for name in ("report.md", "report.csv", "report.json", "accuracy_vs_shots.png"):
+        assert (out / name).is_file(), name
+    assert (out / "accuracy_vs_shots.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(out.glob(".*.tmp"))
+
+    md = (out / "report.md").read_text()
+    assert md == report.markdown
+    assert "80.00 ± 24.84 (3)" in md and "65.00 (1)" in md  # one seed: mean alone
+    assert "+30.00" in md and "+26.00" in md
+    assert "71.00" in md and "65.00 (1/2)†" in md and "(missing: colors)" in md
+    assert "nan" not in md.lower()
+
+    rows = list(csv.DictReader((out / "report.csv").open()))
+    assert len(rows) == len(report.cells) == 5 + 3
+    row = next(r for r in rows if (r["dataset"], r["shots"]) == ("shapes", "16"))
+    assert float(row["mean"]) == 80.0 and float(row["std"]) == 10.0 and row["n"] == "3"
+    assert float(row["ci95"]) == pytest.approx(24.8414, abs=1e-3)
+    assert float(row["delta_zeroshot"]) == 30.0 and row["seeds"] == "1;2;3"
+    single = next(r for r in rows if (r["dataset"], r["shots"]) == ("shapes", "4"))
+    assert (single["std"], single["ci95"], single["n"]) == ("", "", "1")
+    avg = next(r for r in rows if (r["dataset"], r["method"], r["shots"]) == ("average", "coop", "16"))
+    assert float(avg["mean"]) == 71.0 and avg["datasets"] == "colors;shapes"
+    assert "nan" not in (out / "report.csv").read_text().lower()
+
+    text = (out / "report.json").read_text()
+    assert "NaN" not in text
+    data = json.loads(text)["backbones"]["toy-clip"]
+    assert data["datasets"] == ["colors", "shapes"]
+    assert data["results"]["shapes"]["coop"]["16"]["values"] == [70.0, 80.0, 90.0]
+    assert data["results"]["shapes"]["coop"]["4"]["ci95"] is None
+    assert data["results"]["average"]["coop"]["4"]["complete"] is False
+
+
+def test_default_out_dir_and_edge_shapes(tmp_path):
+    """One dataset, one shot value, one seed, no zero-shot: still a report and a figure."""
+    add_run(tmp_path, "lora", "shapes", 8, 0, 55.5)
+    report = write_report(tmp_path)
+    assert (tmp_path / "accuracy_vs_shots.png").is_file() and "55.50 (1)" in report.markdown
+
+
+def test_several_backbones_get_a_figure_each(tmp_path):
+    add_run(tmp_path, "coop", "shapes", 1, 1, 40.0, backbone="ViT-B/16")
+    add_run(tmp_path, "coop", "shapes", 1, 1, 30.0, backbone="toy-clip")
+    report = write_report(tmp_path, tmp_path / "out")
+    names = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
+    assert names == ["accuracy_vs_shots.png", "accuracy_vs_shots_ViT-B_16.png",
+                     "accuracy_vs_shots_toy-clip.png"]
+    assert "accuracy_vs_shots_toy-clip.png" in report.markdown
+
+
+@pytest.mark.parametrize("content", [
+    "{not json", "[1, 2]", '{"method": "coop"}',
+    '{"method": "coop", "dataset": "d", "backbone": "b", "shots": 4, "seed": 1, "top1": NaN}',
+    '{"method": "coop", "dataset": "d", "backbone": "b", "shots": "4", "seed": 1, "top1": 50}',
+])
+def test_malformed_metrics_skipped_with_warning(runs, content, caplog):
+    bad = runs / "broken" / "metrics.json"
+    bad.parent.mkdir()
+    bad.write_text(content)
+    with caplog.at_level(logging.WARNING, logger="fewclip.report"):
+        report = build_report(runs)
+    assert len(report.runs) == 10 and [s.path for s in report.skipped] == [bad]
+    assert str(bad) in caplog.text
+    assert "broken/metrics.json" in report.markdown
+
+
+def test_duplicates_keep_first_in_path_order(tmp_path, caplog):
+    add_run(tmp_path, "coop", "shapes", 16, 1, 10.0, name="a")
+    add_run(tmp_path, "coop", "shapes", 16, 1, 99.0, name="b")
+    add_run(tmp_path, "coop", "shapes", 16, 2, 20.0, name="c")
+    (tmp_path / "no_metrics_here").mkdir()
+    with caplog.at_level(logging.WARNING, logger="fewclip.report"):
+        runs, skipped = load_runs(tmp_path)
+    assert [r.top1 for r in runs] == [10.0, 20.0]
+    assert len(skipped) == 1 and skipped[0].path.parent.name == "b"
+    assert "duplicate" in caplog.text
+    assert aggregate(runs)[0].mean == 15.0
+
+
+def test_empty_dir_raises(tmp_path):
+    (tmp_path / "run1").mkdir()
+    with pytest.raises(NoRunsFoundError, match="metrics.json") as e:
+        write_report(tmp_path)
+    assert isinstance(e.value, ValueError) and str(tmp_path) in str(e.value)
+    assert not (tmp_path / "report.md").exists()
+    with pytest.raises(NoRunsFoundError, match="does not exist"):
+        build_report(tmp_path / "missing")
+    (tmp_path / "run1" / "metrics.json").write_text("{}")
+    with pytest.raises(NoRunsFoundError, match="1 metrics.json file"):
+        build_report(tmp_path)
