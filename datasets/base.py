@@ -67,7 +67,15 @@ class Item:
 
 @dataclass
 class Dataset:
-    """A classification task. Subclasses override ``load_image``."""
+    """A classification task. Subclasses override ``load_image``.
+
+    Two class attributes guide training-time augmentation: ``hflip_ok`` (a
+    horizontal flip keeps the label; False for left/right tasks) and
+    ``min_crop_scale`` (RandomResizedCrop's smallest area, 0.08 as in CoOp).
+    """
+
+    hflip_ok = True
+    min_crop_scale = 0.08
 
     name: str
     classnames: List[str]

@@ -13,7 +13,7 @@ image is one object drawn on a background; its attributes are
 
 Captions describe an image in varied words: synonyms, several word orders, and
 attributes mentioned with different probabilities (shape almost always, colour
-often, position half the time, pattern about a third of the time). That frequency is what
+half the time, pattern and position half the time). That frequency is what
 makes some downstream tasks easy for a CLIP model pretrained on these captions
 and others hard, the way real CLIP is near-perfect on Caltech101 and weak on
 EuroSAT or DTD.
@@ -133,14 +133,30 @@ class Scene:
 # Pretraining style mix: mostly photos, some outlines, rare sketches (rare is not absent).
 PRETRAIN_STYLE_P = (0.88, 0.10, 0.02)
 
+# Spurious correlations of the pretraining distribution, as web data has them (tigers are
+# striped and orange): with probability PRETRAIN_CORRELATION an image's colour follows its
+# pattern and its background follows its position. Caption words then carry a bit of the
+# correlate ("striped" leans orange, "at the top" leans navy), so zero-shot prompts are
+# biased on downstream tasks where the attributes are independent, and a few labelled
+# images can correct the bias. Downstream tasks sample every attribute independently.
+PRETRAIN_CORRELATION = 0.5
+PATTERN_COLOUR = {"solid": "white", "striped": "orange", "dotted": "red", "checkered": "yellow",
+                  "speckled": "green"}
+POSITION_BACKGROUND = {"top": "navy", "bottom": "brown", "left": "gray", "right": "black"}
+
 
 def sample_scene(
     seed: int,
     index: np.ndarray,
     fixed: Optional[Dict[str, np.ndarray | int]] = None,
     style_p: Sequence[float] = PRETRAIN_STYLE_P,
+    correlation: float = 0.0,
 ) -> Scene:
-    """Draw attributes for each index; ``fixed`` pins some attributes (by index value)."""
+    """Draw attributes for each index; ``fixed`` pins some attributes (by index value).
+
+    ``correlation`` > 0 ties colour to pattern and background to position with that
+    probability (the pretraining distribution uses ``PRETRAIN_CORRELATION``).
+    """
     index = np.asarray(index, dtype=np.int64)
     fixed = dict(fixed or {})
     vals = {}
@@ -151,6 +167,16 @@ def sample_scene(
             vals[name] = choice(seed, index, 100 + s, len(values), style_p)
         else:
             vals[name] = choice(seed, index, 100 + s, len(values))
+    if correlation > 0:
+        tie = uniform(seed, index, 150) < correlation
+        lut = np.array([COLOURS.index(PATTERN_COLOUR[p]) for p in PATTERNS])
+        if "colour" not in fixed:
+            vals["colour"] = np.where(tie, lut[vals["pattern"]], vals["colour"])
+        tie = uniform(seed, index, 151) < correlation
+        lut = np.array([BACKGROUNDS.index(POSITION_BACKGROUND.get(p, "black")) for p in POSITIONS])
+        has = np.array([p in POSITION_BACKGROUND for p in POSITIONS])[vals["position"]]
+        if "background" not in fixed:
+            vals["background"] = np.where(tie & has, lut[vals["position"]], vals["background"])
     return Scene(index=index, **vals)
 
 
@@ -301,7 +327,7 @@ _OPENERS = ["a", "a photo of a", "an image of a", "a picture of a", "there is a"
 _DRAWING_OPENERS = ["a drawing of a", "an outline of a", "a line drawing of a", "a sketch of a"]
 
 # How often each attribute is named in a caption.
-MENTION_P = {"shape": 0.95, "colour": 0.7, "size": 0.4, "pattern": 0.35, "position": 0.5, "background": 0.25}
+MENTION_P = {"shape": 0.95, "colour": 0.5, "size": 0.3, "pattern": 0.5, "position": 0.5, "background": 0.2}
 
 
 def _pick(options: Sequence[str], u: float) -> str:

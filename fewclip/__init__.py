@@ -1,2 +1,9 @@
 """fewclip: few-shot adaptation of frozen CLIP-family models of any embedding geometry."""
 __version__ = "0.1.0"
+
+
+def load_prompts(path, device="auto", **kwargs):
+    """Load a prompt file written by ``fewclip export``: see ``fewclip.export.load_prompts``."""
+    from .export import load_prompts as _load_prompts
+
+    return _load_prompts(path, device=device, **kwargs)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -106,6 +107,17 @@ def load_weights_file(path: str | Path) -> Dict[str, torch.Tensor]:
             sd = load_file(str(path), device="cpu")
         else:
             sd = torch.load(str(path), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        # torch's message suggests weights_only=False; fewclip never does that, so say only what was found.
+        detail = " ".join(str(e).split("WeightsUnpickler error:", 1)[-1].split())
+        for cut in (" was not an allowed global", ". Please use", " Check the documentation"):
+            detail = detail.split(cut)[0]
+        what = "pickled Python objects, not only tensors" if "global" in detail.lower() else "no readable state dict"
+        raise BackboneError(
+            f"refusing to load weights file {path}: it holds {what} ({detail}). fewclip reads .safetensors, or "
+            f"torch files loadable with torch.load(weights_only=True) and never runs pickled code: save the bare "
+            f"state dict (torch.save(model.state_dict(), path)) or convert it to .safetensors"
+        ) from None
     except Exception as e:
         raise BackboneError(
             f"cannot read weights file {path}: {e}. fewclip reads .safetensors, or torch files loadable with "

@@ -21,6 +21,12 @@ commands:
   backbones    list the backbones fewclip can load, with their geometry
   datasets     list the registered datasets and where each expects its files
   zeroshot     zero-shot evaluation: fewclip zeroshot backbone=toy-clip data=toy-shapes out=runs/zs
+  train        one few-shot run: fewclip train adapter=coop data=toy-shapes shots=16 seed=1 out=runs/coop
+  sweep        methods x datasets x shots x seeds, resumable: fewclip sweep sweep/demo.yaml out=runs/demo
+  report       seed-averaged tables and the accuracy-vs-shots plot: fewclip report runs/demo
+  adapters     list the registered adapters (few-shot methods)
+  export       a CoOp run as one prompt file: fewclip export runs/coop -o prompts.safetensors [nearest=3]
+  predict      classify images with a prompt file: fewclip predict prompts=prompts.safetensors a.jpg b.png [top_k=5]
 
 Overrides use omegaconf dotlist syntax (data.templates=single); backbone=NAME,
 data=NAME and adapter=NAME set that section's name. `fewclip COMMAND --help`
@@ -103,10 +109,139 @@ def cmd_zeroshot(args: Sequence[str]) -> int:
     return 0
 
 
+def cmd_train(args: Sequence[str]) -> int:
+    from .runs import load_train_config, run_train
+
+    cfg = load_train_config(args)
+    setup_logging(cfg.log_level)
+    out = run_dir(cfg.out, f"runs/train/{Path(cfg.backbone.name).stem}_{cfg.data.name}_{cfg.adapter.name}"
+                           f"_{cfg.shots}shot_seed{cfg.seed}")
+    m = run_train(cfg, out)
+    print(f"{m['method']} {cfg.shots}-shot seed {cfg.seed}: top-1 {m['top1']:.2f}% on {m['dataset']} "
+          f"({m['n_test']} test images, {m['train_time_s']:.1f} s) -> {out}")
+    return 0
+
+
+def cmd_sweep(args: Sequence[str]) -> int:
+    from .config import compose, to_object
+    from .report import write_report
+    from .runs import SweepConfig, run_sweep
+
+    cfg: SweepConfig = to_object(compose(SweepConfig, args))
+    setup_logging(cfg.log_level)
+    out = run_dir(cfg.out, "runs/sweep")
+    counts = run_sweep(cfg, out)
+    print(f"sweep: {counts['planned']} runs, {counts['done_before']} already done, {counts['ran']} ran -> {out}")
+    if cfg.report:
+        rep = write_report(out)
+        print(rep.markdown)
+        print(f"report: {out / 'report.md'}, {out / 'accuracy_vs_shots.png'}")
+    return 0
+
+
+def cmd_report(args: Sequence[str]) -> int:
+    from .report import write_report
+
+    paths = [a for a in args if not a.startswith("-")]
+    if len(paths) != 1:
+        raise ConfigError("usage: fewclip report RUN_DIR")
+    rep = write_report(Path(paths[0]))
+    print(rep.markdown)
+    return 0
+
+
+def cmd_adapters(args: Sequence[str]) -> int:
+    from dataclasses import asdict
+
+    from fewclip.adapters import ADAPTERS
+
+    for name, info in sorted(ADAPTERS.items()):
+        doc = (info.adapter_cls.__module__ and (__import__(info.adapter_cls.__module__, fromlist=["_"]).__doc__
+                                                 or "")).strip().splitlines()
+        print(f"{name}: {doc[0] if doc else ''}")
+        defaults = {k: v for k, v in asdict(info.config_cls()).items() if k != "name"}
+        print("  " + " ".join(f"adapter.{k}={v}" for k, v in defaults.items()))
+    return 0
+
+
+def cmd_export(args: Sequence[str]) -> int:
+    from .export import export_run, summary
+
+    usage = "usage: fewclip export RUN_DIR [-o PATH] [nearest=K] [backbone.device=cpu]"
+    rest, opts = list(args), {"out": None, "nearest": "3", "backbone.device": None}
+    paths = []
+    while rest:
+        a = rest.pop(0)
+        if a in ("-o", "--out"):
+            if not rest:
+                raise ConfigError(f"{a} needs a path; {usage}")
+            opts["out"] = rest.pop(0)
+        elif "=" in a:
+            key, value = a.split("=", 1)
+            if key not in opts:
+                raise ConfigError(f"unknown option {key!r}; {usage}")
+            opts[key] = value
+        else:
+            paths.append(a)
+    if len(paths) != 1:
+        raise ConfigError(usage)
+    try:
+        nearest = int(opts["nearest"])
+    except ValueError:
+        raise ConfigError(f"nearest must be an integer, got {opts['nearest']!r}") from None
+    if nearest < 1:
+        raise ConfigError(f"nearest must be >= 1, got {nearest}")
+    done = export_run(paths[0], opts["out"], nearest_k=nearest, device=opts["backbone.device"])
+    print(f"exported CoOp run {paths[0]}\n" + summary(done.path, done.meta))
+    return 0
+
+
+def cmd_predict(args: Sequence[str]) -> int:
+    from .export import load_prompts
+
+    usage = "usage: fewclip predict prompts=FILE IMAGE [IMAGE ...] [top_k=5] [backbone.device=cpu]"
+    opts, images = {"prompts": None, "top_k": "5", "backbone.device": "auto"}, []
+    overrides = {}
+    for a in args:
+        if "=" not in a:
+            images.append(a)
+            continue
+        key, value = a.split("=", 1)
+        if key in opts:
+            opts[key] = value
+        elif key in ("backbone.name", "backbone.pretrained", "backbone.precision"):
+            overrides[key.split(".", 1)[1]] = value
+        else:
+            raise ConfigError(f"unknown option {key!r}; {usage}")
+    if not opts["prompts"] or not images:
+        raise ConfigError(usage)
+    try:
+        top_k = int(opts["top_k"])
+    except ValueError:
+        raise ConfigError(f"top_k must be an integer, got {opts['top_k']!r}") from None
+    if top_k < 1:
+        raise ConfigError(f"top_k must be >= 1, got {top_k}")
+    clf = load_prompts(opts["prompts"], device=opts["backbone.device"], backbone_overrides=overrides)
+    preds = clf.predict(images, top_k=top_k)
+    print(f"prompts {opts['prompts']}: {len(clf.classnames)} classes on {clf.backbone.name} "
+          f"[{clf.geometry.name}]; probabilities are a softmax over the classes")
+    for path, top in zip(images, preds):
+        print(path)
+        for name, prob in top:
+            print(f"  {prob:6.3f}  {name}")
+    return 0
+
+
 COMMANDS: Dict[str, Callable[[Sequence[str]], int]] = {
     "backbones": cmd_backbones,
     "datasets": cmd_datasets,
+    "adapters": cmd_adapters,
     "zeroshot": cmd_zeroshot,
+    "train": cmd_train,
+    "sweep": cmd_sweep,
+    "report": cmd_report,
+    "export": cmd_export,
+    "predict": cmd_predict,
 }
 CONFIG_SCHEMAS: Dict[str, type] = {"zeroshot": RunConfig}
 
@@ -131,10 +266,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from fewclip.datasets import DatasetError
 
     from .backbones import BackboneError
+    from .export import ExportError
 
     try:
         return COMMANDS[command](args)
-    except (ConfigError, BackboneError, DatasetError) as e:
+    except (ConfigError, BackboneError, DatasetError, ExportError) as e:
         print(f"fewclip {command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

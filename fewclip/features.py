@@ -29,8 +29,12 @@ class ImageItems(TorchDataset):
         return self.transform(self.dataset.load_image(item)), item.label
 
 
-def _progress_enabled() -> bool:
-    return logging.getLogger("fewclip").getEffectiveLevel() <= logging.INFO
+def progress(iterable=None, **kwargs):
+    """A tqdm bar on an interactive terminal at log level info or lower; silent otherwise."""
+    import sys
+
+    quiet = logging.getLogger("fewclip").getEffectiveLevel() > logging.INFO or not sys.stderr.isatty()
+    return tqdm(iterable, disable=quiet, **kwargs)
 
 
 @torch.no_grad()
@@ -50,7 +54,7 @@ def extract_features(
                         num_workers=workers)
     feats: List[torch.Tensor] = []
     labels: List[torch.Tensor] = []
-    for pixels, y in tqdm(loader, desc=desc, unit="batch", leave=False, disable=not _progress_enabled()):
+    for pixels, y in progress(loader, desc=desc, unit="batch", leave=False):
         feats.append(backbone.encode_images(pixels).cpu())
         labels.append(y)
     if not feats:

@@ -103,7 +103,7 @@ def toy_tokenizer(context_length: int) -> WordTokenizer:
 def batch_tensors(step: int, batch_size: int, data_seed: int, tokenizer: WordTokenizer):
     """Images [B,3,H,W] (normalised float) and caption tokens [B,L] for one step."""
     index = np.arange(step * batch_size, (step + 1) * batch_size, dtype=np.int64)
-    scene = tw.sample_scene(data_seed, index)
+    scene = tw.sample_scene(data_seed, index, correlation=tw.PRETRAIN_CORRELATION)
     pixels = torch.from_numpy(tw.render(scene, data_seed)).permute(0, 3, 1, 2).float().div_(255)
     mean = torch.tensor(TOY_MEAN).view(1, 3, 1, 1)
     std = torch.tensor(TOY_STD).view(1, 3, 1, 1)

@@ -1,0 +1,104 @@
+"""Running a frozen open_clip text tower on prompt *embeddings* (shared plumbing).
+
+Prompt-learning adapters replace some token embeddings with learned vectors
+and need the rest of the text tower exactly as open_clip runs it: add the
+positional embedding, run the transformer with the tower's own attention mask
+(causal for CLIP, none for SigLIP-style towers), apply the final LayerNorm,
+pool (at the end-of-text token for ``argmax``/``eos``, the last position for
+``last``, the first for ``first``) and project.
+
+``TextTower.can_truncate`` says when running a shorter sequence is *exact*:
+with a causal mask, position i never sees positions after it, so cutting every
+sequence right after its pooled token changes nothing. Without a causal mask
+(padding tokens are attended to) or with ``last`` pooling it is not exact, and
+the tower runs at the full context length.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+from open_clip.transformer import text_global_pool
+
+
+class TextTower:
+    """Public pieces of the text tower of an open_clip ``CLIP`` or ``CustomTextCLIP``."""
+
+    def __init__(self, model: nn.Module, tokenizer):
+        t = model.text if hasattr(model, "text") else model
+        if getattr(t, "cls_emb", None) is not None:
+            raise ValueError("text towers with an appended class embedding (CoCa) are not supported by prompt learning")
+        if not hasattr(t, "token_embedding"):
+            raise ValueError("this backbone's text tower (e.g. a Hugging Face model) exposes no token embedding; "
+                             "prompt learning needs an open_clip TextTransformer")
+        self.token_embedding = t.token_embedding
+        self.positional_embedding = t.positional_embedding
+        self.transformer = t.transformer
+        self.ln_final = t.ln_final
+        self.text_projection = t.text_projection
+        self.attn_mask: Optional[torch.Tensor] = t.attn_mask
+        self.pool_type = t.text_pool_type if hasattr(t, "text_pool_type") else t.pool_type
+        self.eos_id = getattr(t, "text_eos_id", None) if hasattr(t, "text_eos_id") else getattr(t, "eos_id", None)
+        self.pad_id = getattr(t, "pad_id", 0)
+        self.use_pad_mask = bool(getattr(t, "use_pad_mask", False))
+        self.context_length = int(t.context_length)
+        self.width = int(self.token_embedding.weight.shape[1])
+        self.tokenizer = tokenizer
+        if not hasattr(tokenizer, "encode") or not hasattr(tokenizer, "sot_token_id"):
+            raise ValueError("prompt learning needs a tokenizer with encode(), sot_token_id and eot_token_id "
+                             "(open_clip's SimpleTokenizer or fewclip's WordTokenizer)")
+
+    @property
+    def causal(self) -> bool:
+        return self.attn_mask is not None
+
+    @property
+    def can_truncate(self) -> bool:
+        return self.causal and self.pool_type in ("argmax", "eos", "first") and not self.use_pad_mask
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.get_cast_dtype()
+
+    def encode_words(self, text: str) -> List[int]:
+        """Token ids of ``text`` without start/end tokens."""
+        return list(self.tokenizer.encode(text))
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [N, L, W] for ids [N, L]."""
+        return self.token_embedding(tokens)
+
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Raw text features [N, D] from prompt embeddings ``x`` [N, L, W] and their ids ``tokens`` [N, L].
+
+        ``tokens`` decide the pooled position (``argmax``/``eos``) and padding;
+        L may be shorter than the context length only where ``can_truncate``.
+        """
+        N, L, W = x.shape
+        if L > self.context_length:
+            raise ValueError(f"prompt of {L} tokens exceeds the text tower's context length {self.context_length}")
+        x = x.to(self.dtype) + self.positional_embedding[:L].to(self.dtype)
+        mask = self.attn_mask[:L, :L] if self.attn_mask is not None else None
+        if self.use_pad_mask:
+            pad = torch.zeros(N, 1, L, dtype=x.dtype, device=x.device)
+            pad.masked_fill_((tokens == self.pad_id)[:, None, :], float("-inf"))
+            heads = self.transformer.resblocks[0].attn.num_heads
+            pad = pad.expand(N, L, L).repeat_interleave(heads, 0)
+            mask = pad if mask is None else mask.unsqueeze(0) + pad
+        x = self.transformer(x, attn_mask=mask)
+        x = self.ln_final(x)
+        pooled = text_global_pool(x, tokens, self.pool_type, eos_token_id=self.eos_id)
+        if self.text_projection is not None:
+            pooled = self.text_projection(pooled) if isinstance(self.text_projection, nn.Linear) \
+                else pooled @ self.text_projection
+        return pooled.float()
+
+
+def pad_sequences(seqs: Sequence[Sequence[int]], length: int, pad_id: int = 0) -> torch.Tensor:
+    out = torch.full((len(seqs), length), pad_id, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s) > length:
+            raise ValueError(f"prompt of {len(s)} tokens exceeds the context length {length}")
+        out[i, : len(s)] = torch.tensor(list(s), dtype=torch.long)
+    return out

@@ -1,0 +1,184 @@
+"""CoOp: learnable context vectors in front of (or around) the class name.
+
+Zhou et al., "Learning to Prompt for Vision-Language Models", IJCV 2022. The
+prompt for class c is, in token embeddings,
+
+    end     [SOT] [ctx_1 .. ctx_n] [name_c] [.] [EOT]
+    middle  [SOT] [ctx_1 .. ctx_n/2] [name_c] [ctx_n/2+1 .. ctx_n] [.] [EOT]
+    front   [SOT] [name_c] [ctx_1 .. ctx_n] [.] [EOT]
+
+with one context shared by all classes (unified) or one per class (CSC). The
+context starts either at random (normal, std 0.02) or from the embeddings of
+the words of ``ctx_init`` (``"a photo of a"``; a word that the tokenizer splits
+into several tokens gives several context vectors, and ``n_ctx`` is then the
+number of tokens). Initialised from words, the prompt *is* the zero-shot prompt
+``equivalent_template()``, and the logits equal the zero-shot logits.
+
+The text features go through the backbone's geometry: embedded, turned into
+one prototype per class, and compared with the embedded image features by the
+geometry's logits, so CoOp runs unchanged on every geometry.
+
+The class prompts' token ids and fixed embeddings are rebuilt from the class
+names (non-persistent buffers); the only saved tensor is ``ctx``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from ._text import TextTower, pad_sequences
+from .base import Adapter, AdapterConfig, register_adapter
+
+POSITIONS = ("end", "middle", "front")
+
+
+@dataclass
+class CoOpConfig(AdapterConfig):
+    name: str = "coop"
+    # Number of context vectors (ignored when ctx_init is given: the words decide).
+    n_ctx: int = 16
+    # Initial words, e.g. "a photo of a"; null = random init.
+    ctx_init: Optional[str] = None
+    # Class-specific context: one context per class instead of one shared.
+    csc: bool = False
+    class_token_position: str = "end"
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.class_token_position not in POSITIONS:
+            raise ValueError(f"adapter.class_token_position must be one of {POSITIONS}, "
+                             f"got {self.class_token_position!r}")
+        if self.ctx_init is None and self.n_ctx < 1:
+            raise ValueError(f"adapter.n_ctx must be >= 1, got {self.n_ctx}")
+        if self.ctx_init is not None and not self.ctx_init.strip():
+            raise ValueError("adapter.ctx_init must contain words, or be null for random init")
+        if self.init_std <= 0:
+            raise ValueError(f"adapter.init_std must be > 0, got {self.init_std}")
+
+
+class CoOp(Adapter):
+    name = "coop"
+    uses_text_tower = True
+
+    def __init__(self, cfg: CoOpConfig, backbone, classnames: Sequence[str], templates: Sequence[str] = ()):
+        super().__init__(cfg, backbone, classnames, templates)
+        tower = TextTower(backbone.model, backbone.tokenizer)
+        object.__setattr__(self, "tower", tower)
+        tok = backbone.tokenizer
+        C = len(self.classnames)
+
+        if cfg.ctx_init is not None:
+            init_ids = tower.encode_words(cfg.ctx_init)
+            if not init_ids:
+                raise ValueError(f"adapter.ctx_init={cfg.ctx_init!r} gives no tokens")
+            n_ctx = len(init_ids)
+        else:
+            init_ids, n_ctx = None, cfg.n_ctx
+        self.n_ctx = n_ctx
+
+        # Token ids per class, with a placeholder id where the context goes.
+        dot = tower.encode_words(".")
+        sot, eot = tok.sot_token_id, tok.eot_token_id
+        placeholder = init_ids if init_ids is not None else [sot] * n_ctx  # any id; its embedding is replaced
+        half = n_ctx // 2
+        seqs, ctx_pos = [], []
+        for name in self.classnames:
+            name_ids = tower.encode_words(name)
+            if not name_ids:
+                raise ValueError(f"class name {name!r} gives no tokens")
+            if cfg.class_token_position == "end":
+                body = list(placeholder) + name_ids + dot
+                pos = list(range(1, 1 + n_ctx))
+            elif cfg.class_token_position == "front":
+                body = name_ids + list(placeholder) + dot
+                pos = list(range(1 + len(name_ids), 1 + len(name_ids) + n_ctx))
+            else:  # middle
+                body = list(placeholder[:half]) + name_ids + list(placeholder[half:]) + dot
+                pos = list(range(1, 1 + half)) + list(range(1 + half + len(name_ids), 1 + n_ctx + len(name_ids)))
+            seqs.append([sot] + body + [eot])
+            ctx_pos.append(pos)
+        longest = max(len(s) for s in seqs)
+        if longest > tower.context_length:
+            worst = self.classnames[max(range(C), key=lambda i: len(seqs[i]))]
+            raise ValueError(f"the prompt for class {worst!r} has {longest} tokens, more than the text tower's "
+                             f"context length {tower.context_length}; use a smaller adapter.n_ctx")
+        # Cut to the longest prompt where that is exact (causal mask, pooling at the end-of-text token).
+        L = longest if tower.can_truncate else tower.context_length
+        tokens = pad_sequences(seqs, L, pad_id=getattr(tower, "pad_id", 0))
+        device = backbone.device
+        self.register_buffer("tokens", tokens.to(device), persistent=False)  # C, L
+        self.register_buffer("ctx_pos", torch.tensor(ctx_pos, dtype=torch.long, device=device), persistent=False)
+        with torch.no_grad():
+            fixed = tower.embed(self.tokens).float()  # C, L, W
+        self.register_buffer("fixed_embeddings", fixed, persistent=False)
+
+        W = tower.width
+        if init_ids is not None:
+            with torch.no_grad():
+                ctx = tower.embed(torch.tensor(init_ids, device=device)).float()  # n, W
+            if cfg.csc:
+                ctx = ctx.unsqueeze(0).repeat(C, 1, 1)
+        else:
+            # Drawn from torch's global generator, which the runner seeds with the run's seed.
+            shape = (C, n_ctx, W) if cfg.csc else (n_ctx, W)
+            ctx = torch.randn(shape) * cfg.init_std
+        self.ctx = nn.Parameter(ctx.to(device))
+
+    # -- prompts ----------------------------------------------------------
+    def equivalent_template(self) -> Optional[str]:
+        """The zero-shot template this context reproduces at initialisation (word init only)."""
+        if self.cfg.ctx_init is None:
+            return None
+        words = self.cfg.ctx_init.strip()
+        pos = self.cfg.class_token_position
+        if pos == "end":
+            return f"{words} {{}}."
+        if pos == "front":
+            return f"{{}} {words}."
+        ids = self.tower.encode_words(words)
+        half = len(ids) // 2
+        dec = self.backbone.tokenizer.decode
+        first, second = dec(ids[:half]).strip(), dec(ids[half:]).strip()
+        return " ".join(p for p in (first, "{}", second) if p) + "."
+
+    def prompt_embeddings(self) -> torch.Tensor:
+        """Prompt embeddings [C, L, W] with the context vectors in place."""
+        C = self.tokens.shape[0]
+        ctx = self.ctx if self.ctx.dim() == 3 else self.ctx.unsqueeze(0).expand(C, -1, -1)  # C, n, W
+        index = self.ctx_pos.unsqueeze(-1).expand(-1, -1, ctx.shape[-1])
+        return self.fixed_embeddings.scatter(1, index, ctx.to(self.fixed_embeddings.dtype))
+
+    def text_features(self) -> torch.Tensor:
+        """Raw text-tower features [C, D] of the current prompts."""
+        return self.tower.forward(self.prompt_embeddings(), self.tokens)
+
+    def prototypes(self) -> torch.Tensor:
+        g = self.backbone.geometry
+        emb = g.embed_text(self.text_features())  # C, D
+        return g.prototype(emb.unsqueeze(1))  # one "template" per class
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        g = self.backbone.geometry
+        return g.logits(g.embed_image(features.to(self.ctx.device)), self.prototypes())
+
+    @torch.no_grad()
+    def nearest_words(self, k: int = 3) -> List[List[List[str]]]:
+        """CoOp's interpretation: the k vocabulary tokens nearest (Euclidean) to each context vector.
+
+        Returns [n_groups][n_ctx][k] strings; one group for a unified context, one per class for CSC.
+        """
+        table = self.tower.token_embedding.weight.float()  # V, W
+        ctx = self.ctx.float() if self.ctx.dim() == 3 else self.ctx.float().unsqueeze(0)
+        decoder = getattr(self.backbone.tokenizer, "decoder", {})
+        out = []
+        for group in ctx:
+            d = torch.cdist(group, table)  # n, V
+            idx = d.topk(k, largest=False).indices
+            out.append([[str(decoder.get(int(i), int(i))).replace("</w>", "") for i in row] for row in idx])
+        return out
+
+
+register_adapter("coop", CoOpConfig, CoOp)

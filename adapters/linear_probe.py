@@ -1,0 +1,509 @@
+"""Linear probes on frozen image features, for every embedding geometry.
+
+Two adapters, both trained by ``fit(train_x, train_y, val_x, val_y)`` on cached
+raw image-tower features (``closed_form = True``: the engine calls ``fit``
+instead of its own gradient loop).
+
+``linear_probe``: the CLIP paper's probe
+-----------------------------------------
+
+L2-regularised multinomial logistic regression on frozen features (Radford et
+al., 2021, Appendix A.3), ``logits = features @ W.T + b``. For an inverse
+regularisation strength ``C`` it minimises, in float64 with full-batch L-BFGS
+started from zero (deterministic)::
+
+    mean_i CE(x_i W^T + b, y_i) + ||W||^2 / (2 C N)
+
+which is scikit-learn's ``C * sum_i CE_i + ||W||^2 / 2`` divided by ``C N``:
+the same minimiser, so ``C`` means what it means in CLIP's and CoOp's
+scikit-learn probes and the usual range ``[1e-6, 1e6]`` carries over. The
+intercept ``b`` is not penalised (scikit-learn's default).
+
+``C`` is chosen on the few-shot validation split: ``grid_points`` log-spaced
+values over ``[c_min, c_max]``, then ``refine_steps`` rounds of a parametric
+binary search that tries the two half-way points (in log C) either side of
+the best value and halves the step. The defaults (13 points, one per decade,
+then 3 halvings) end at CLIP's resolution of 8 steps per decade with at
+most 19 fits. Validation accuracy decides; on a tie the smaller ``C`` (stronger
+regularisation) wins. ``c_min == c_max`` fixes ``C``: no search, and no
+validation images needed (with a range and no validation images ``fit``
+raises).
+
+Refit: CLIP folds the validation split back into the training data for its
+final classifier; CoOp's linear-probe baseline (``lpclip/linear_probe.py``)
+and the few-shot papers that report its numbers keep the classifier trained on the
+``shots``-per-class training set only. ``refit="train"`` (the default)
+follows CoOp, so the few-shot budget is the training images and the validation
+images only choose ``C``; ``refit="train+val"`` follows CLIP and refits at the
+chosen ``C`` on both. ``fit`` reports the validation accuracy of the
+train-only classifier at the chosen ``C`` either way.
+
+Which features the probe sees, by geometry (``probe_features``):
+
+=============================  ===============================================
+geometry                       probe features
+=============================  ===============================================
+clip, elliptic, sigmoid        ``embed_image(raw)``: the unit vector. These
+                               geometries compare directions only, so the
+                               norm carries nothing the model was trained to
+                               use. (CLIP's and CoOp's reference probes feed
+                               the raw, unnormalised output instead.)
+euclidean, euclidean_sq        ``embed_image(raw) = raw / sqrt(D)``, not
+                               normalised: distances use norms, so the norm
+                               is part of what the model learned.
+hyperbolic, hyperbolic_sq      ``log_map0(embed_image(raw))``, the tangent
+                               vector at the hyperboloid's origin
+                               (``alpha_image * raw`` up to MERU's clamps). A
+                               linear classifier needs a vector space and the
+                               Lorentz hyperboloid is not one; the tangent
+                               space at the origin is, and it is where the
+                               geometry itself averages prompt templates.
+=============================  ===============================================
+
+No further standardisation: a global rescaling of the features is absorbed by
+``C`` (the search spans twelve decades), and per-dimension standardisation
+would change the geometry the backbone was trained in.
+
+``zs_probe``: a linear probe that starts at zero-shot
+-----------------------------------------------------
+
+One learnable vector ``v_c`` per class, turned into a class point of the
+backbone's geometry and scored exactly like a zero-shot prototype::
+
+    logits = geometry.logits(embed_image(raw), point(v))
+
+with ``point(v) = l2_normalize(v)`` (clip, elliptic, sigmoid), ``v``
+(euclidean, euclidean_sq) or ``exp_map0(v, c)`` (hyperbolic, hyperbolic_sq).
+``v`` starts at the zero-shot prototypes of ``text_prototypes(backbone,
+classnames, templates)`` (through ``log_map0`` for the hyperbolic geometries),
+so before training the logits are the zero-shot logits. This is the
+zero-shot-initialised linear probe (ZS-LP) of Silva-Rodriguez et al. (CVPR
+2024) with a fixed-strength version of their pull towards the zero-shot
+classifier (their CLAP adapts the strength per class), in the family of
+text-informed probes such as LP++ (Huang et al., CVPR 2024), carried over to
+any geometry.
+
+Training is full-batch Adam on the cached features for ``epochs`` steps,
+minimising::
+
+    mean_i CE(logits_i, y_i) + anchor * mean_c ||v_c - v0_c||^2 / r^2
+
+where ``v0`` is the zero-shot initialisation and ``r`` the mean norm of its
+rows. This anchor replaces weight decay: decay towards zero would pull
+Euclidean and hyperbolic class points to the origin, while the anchor pulls
+them towards the text's prediction. ``lr`` is relative in the same way: the
+Adam step is ``lr * r / sqrt(D)`` per coordinate, so one setting moves class
+vectors by a similar fraction of their size whatever the feature scale.
+
+Model selection: after every step the validation accuracy is measured, and
+the kept weights are those of the best step, the zero-shot start (step 0)
+included: higher validation accuracy wins, then lower validation
+cross-entropy, then the earlier step. The validation accuracy of the result
+is therefore never below zero-shot's. Without validation images the last
+step is kept (logged as a warning).
+
+The zero-shot initialisation is a non-persistent buffer: it is rebuilt from
+the class names and templates when the adapter is constructed, so a saved
+state holds ``weight`` only and loads with ``strict=True``.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from fewclip.features import progress, text_prototypes
+from fewclip.geometry import (
+    CLIPGeometry,
+    EllipticGeometry,
+    EuclideanGeometry,
+    Geometry,
+    HyperbolicGeometry,
+    SigmoidGeometry,
+    exp_map0,
+    l2_normalize,
+    log_map0,
+)
+
+from .base import Adapter, AdapterConfig, register_adapter
+
+log = logging.getLogger(__name__)
+
+_LBFGS_TOLERANCE_CHANGE = 1e-12  # stop when the float64 objective stops moving
+REFITS = ("train", "train+val")
+
+
+# -----------------------------------------------------------------------------
+# geometry: which vector space a linear model works in
+
+
+def _space(geometry: Geometry) -> str:
+    """``"sphere"``, ``"euclidean"`` or ``"lorentz"``: how a probe treats ``geometry``."""
+    if isinstance(geometry, (CLIPGeometry, EllipticGeometry, SigmoidGeometry)):
+        return "sphere"
+    if isinstance(geometry, EuclideanGeometry):
+        return "euclidean"
+    if isinstance(geometry, HyperbolicGeometry):
+        return "lorentz"
+    raise ValueError(
+        f"the linear probes do not know geometry {geometry.name!r} ({type(geometry).__name__}); "
+        f"known: clip, elliptic, sigmoid, euclidean, euclidean_sq, hyperbolic, hyperbolic_sq"
+    )
+
+
+def probe_features(geometry: Geometry, raw: Tensor) -> Tensor:
+    """Features a linear probe sees for raw image-tower outputs: [N, D] -> [N, D] (table in the module doc)."""
+    N, D = raw.shape
+    emb = geometry.embed_image(raw)
+    if _space(geometry) == "lorentz":
+        return log_map0(emb, geometry.curvature)
+    return emb
+
+
+def class_points(geometry: Geometry, v: Tensor) -> Tensor:
+    """Learnable class vectors -> class points of ``geometry``: [C, D] -> [C, D]."""
+    space = _space(geometry)
+    if space == "sphere":
+        return l2_normalize(v)
+    if space == "lorentz":
+        return exp_map0(v, geometry.curvature)
+    return v
+
+
+def class_vectors(geometry: Geometry, points: Tensor) -> Tensor:
+    """Inverse of ``class_points`` on its image: class points [C, D] -> vectors [C, D]."""
+    if _space(geometry) == "lorentz":
+        return log_map0(points, geometry.curvature)
+    return points.clone()
+
+
+# -----------------------------------------------------------------------------
+# logistic regression and the search over C (pure functions)
+
+
+def logistic_objective(W: Tensor, b: Tensor, x: Tensor, y: Tensor, c: float) -> Tensor:
+    """``mean CE(x W^T + b, y) + ||W||^2 / (2 c N)``: [K, D], [K], [N, D], [N] -> scalar."""
+    N, D = x.shape
+    return F.cross_entropy(x @ W.T + b, y) + W.pow(2).sum() / (2.0 * c * N)
+
+
+def fit_logistic(
+    x: Tensor, y: Tensor, n_classes: int, c: float, *, max_iter: int = 1000, tol: float = 1e-6
+) -> Tuple[Tensor, Tensor, int]:
+    """Minimise ``logistic_objective`` with full-batch L-BFGS from zero.
+
+    ``x`` [N, D] and ``y`` [N] as given (pass float64 for a tight optimum).
+    Stops when the largest gradient entry is below ``tol``, the objective stops
+    changing, or after ``max_iter`` iterations. The gradient is written out
+    (``(softmax - onehot)^T x / N + W / (c N)``), so no autograd graph is
+    built. Returns ``W`` [K, D], ``b`` [K] (centred: softmax ignores a shift
+    of all biases) and the iteration count.
+    """
+    N, D = x.shape
+    W = torch.zeros(n_classes, D, dtype=x.dtype, device=x.device)
+    b = torch.zeros(n_classes, dtype=x.dtype, device=x.device)
+    rows = torch.arange(N, device=x.device)
+    opt = torch.optim.LBFGS(
+        [W, b], lr=1.0, max_iter=max_iter, tolerance_grad=tol, tolerance_change=_LBFGS_TOLERANCE_CHANGE,
+        history_size=20, line_search_fn="strong_wolfe",
+    )
+
+    @torch.no_grad()
+    def closure() -> Tensor:
+        logp = (x @ W.T + b).log_softmax(dim=-1)  # [N, K]
+        loss = -logp[rows, y].mean() + W.pow(2).sum() / (2.0 * c * N)
+        residual = logp.exp()
+        residual[rows, y] -= 1.0  # softmax - onehot: [N, K]
+        W.grad = residual.T @ x / N + W / (c * N)
+        b.grad = residual.mean(dim=0)
+        return loss
+
+    opt.step(closure)
+    n_iter = int(opt.state[W].get("n_iter", 0))
+    return W, b - b.mean(), n_iter
+
+
+def search_log_grid(
+    score: Callable[[float], float], c_min: float, c_max: float, grid_points: int, refine_steps: int
+) -> Tuple[float, List[Tuple[float, float]]]:
+    """Maximise ``score(C)`` over ``[c_min, c_max]``: a log grid, then binary refinement.
+
+    Grid: ``grid_points`` values evenly spaced in log C (just ``c_min`` when
+    ``c_min == c_max``). Each refinement step halves the spacing and tries the
+    points that far either side of the best so far (inside the range). Ties
+    go to the smaller C. Returns the best C and every ``(C, score)`` tried, in
+    order.
+    """
+    lo, hi = math.log10(c_min), math.log10(c_max)
+    if lo == hi:
+        logs, step = [lo], 0.0
+    else:
+        step = (hi - lo) / (grid_points - 1)
+        logs = [lo + i * step for i in range(grid_points)]
+    tried: Dict[float, float] = {}
+    history: List[Tuple[float, float]] = []
+
+    def value(lc: float) -> float:
+        key = round(lc, 9)
+        if key not in tried:
+            tried[key] = float(score(10.0**lc))
+            history.append((10.0**lc, tried[key]))
+        return tried[key]
+
+    def best_of(cands: Sequence[float]) -> float:
+        return max(cands, key=lambda lc: (value(lc), -lc))  # ties: smaller C
+
+    best = best_of(logs)
+    for _ in range(refine_steps if step > 0 else 0):
+        step /= 2
+        best = best_of([lc for lc in (best - step, best, best + step) if lo - 1e-12 <= lc <= hi + 1e-12])
+    return 10.0**best, history
+
+
+def _top1(logits: Tensor, y: Tensor) -> float:
+    """Top-1 accuracy in percent."""
+    return 100.0 * float((logits.argmax(dim=-1) == y).double().mean())
+
+
+def _as_val(x: Optional[Tensor], y: Optional[Tensor], dim: int) -> Tuple[Tensor, Tensor]:
+    """The engine passes ``None`` for a split without validation images: make that an empty split."""
+    if x is None or y is None:
+        return torch.empty(0, dim), torch.empty(0, dtype=torch.long)
+    return x, y
+
+
+def _check_data(name: str, x: Tensor, y: Tensor, n_classes: int, dim: int) -> None:
+    if x.ndim != 2 or x.shape[1] != dim:
+        raise ValueError(f"{name}: features must be [N, {dim}], got {tuple(x.shape)}")
+    if y.shape != (x.shape[0],):
+        raise ValueError(f"{name}: labels must be [{x.shape[0]}], got {tuple(y.shape)}")
+    if y.numel() and (int(y.min()) < 0 or int(y.max()) >= n_classes):
+        raise ValueError(f"{name}: labels must lie in [0, {n_classes}), got {int(y.min())}..{int(y.max())}")
+
+
+def _embed_dim(backbone) -> int:
+    """Width of the backbone's embedding (the text tower's output equals the image tower's)."""
+    return int(backbone.encode_text(["a"]).shape[-1])
+
+
+# -----------------------------------------------------------------------------
+# linear_probe
+
+
+@dataclass
+class LinearProbeConfig(AdapterConfig):
+    name: str = "linear_probe"
+    # Range of C (inverse L2 regularisation, scikit-learn's convention) searched on validation.
+    c_min: float = 1e-6
+    c_max: float = 1e6
+    # Log-spaced starting grid over [c_min, c_max]; 13 is one point per decade.
+    grid_points: int = 13
+    # Binary-search halvings around the best grid point; 3 ends at 8 steps per decade.
+    refine_steps: int = 3
+    # L-BFGS iterations per fit, and its stopping tolerance on the largest gradient entry.
+    max_iter: int = 1000
+    tol: float = 1e-6
+    # Data of the final fit at the chosen C: "train" (CoOp's baseline) or "train+val" (CLIP).
+    refit: str = "train"
+
+    def __post_init__(self) -> None:
+        for key in ("c_min", "c_max", "tol"):
+            value = getattr(self, key)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"adapter.{key} must be a positive finite number, got {value!r}")
+        if self.c_min > self.c_max:
+            raise ValueError(f"adapter.c_min ({self.c_min}) must not exceed adapter.c_max ({self.c_max})")
+        min_points = 1 if self.c_min == self.c_max else 2
+        if self.grid_points < min_points:
+            raise ValueError(f"adapter.grid_points must be >= {min_points} for the range "
+                             f"[{self.c_min}, {self.c_max}], got {self.grid_points}")
+        if self.refine_steps < 0:
+            raise ValueError(f"adapter.refine_steps must be >= 0, got {self.refine_steps}")
+        if self.max_iter < 1:
+            raise ValueError(f"adapter.max_iter must be >= 1, got {self.max_iter}")
+        if self.refit not in REFITS:
+            raise ValueError(f"adapter.refit must be one of {REFITS}, got {self.refit!r}")
+
+
+class LinearProbe(Adapter):
+    """Multinomial logistic regression on ``probe_features``; ``C`` chosen on validation."""
+
+    name = "linear_probe"
+    closed_form = True
+
+    def __init__(self, cfg: LinearProbeConfig, backbone, classnames: Sequence[str], templates: Sequence[str]):
+        super().__init__(cfg, backbone, classnames, templates)
+        K, D = len(self.classnames), _embed_dim(backbone)
+        self.weight = nn.Parameter(torch.zeros(K, D))
+        self.bias = nn.Parameter(torch.zeros(K))
+
+    def forward(self, features: Tensor) -> Tensor:
+        B, D = features.shape
+        x = probe_features(self.backbone.geometry, features.to(self.weight.device))
+        with torch.autocast(x.device.type, enabled=False):  # a half-precision argmax would blur close classes
+            return F.linear(x, self.weight, self.bias)  # [B, K]
+
+    @torch.no_grad()
+    def fit(self, train_x: Tensor, train_y: Tensor, val_x: Optional[Tensor], val_y: Optional[Tensor]) -> Dict:
+        """Search C on validation, keep (or refit) the classifier at the best C; returns what was chosen."""
+        cfg: LinearProbeConfig = self.cfg
+        K, D = self.weight.shape
+        val_x, val_y = _as_val(val_x, val_y, D)
+        for name, x, y in (("train", train_x, train_y), ("val", val_x, val_y)):
+            _check_data(f"linear_probe.fit {name}", x, y, K, D)
+        if train_y.numel() == 0:
+            raise ValueError("linear_probe.fit needs training images, got none")
+        fixed_c = cfg.c_min == cfg.c_max
+        if val_y.numel() == 0 and not fixed_c:
+            raise ValueError("linear_probe chooses C on validation images, and the split has none; "
+                             "set adapter.c_min = adapter.c_max to fix C instead")
+        dev, g = self.weight.device, self.backbone.geometry
+        xt = probe_features(g, train_x.to(dev)).double()
+        xv = probe_features(g, val_x.to(dev)).double()
+        yt, yv = train_y.to(dev), val_y.to(dev)
+        fits: Dict[float, Tuple[Tensor, Tensor, int]] = {}
+
+        def val_acc(c: float) -> float:
+            fits[c] = fit_logistic(xt, yt, K, c, max_iter=cfg.max_iter, tol=cfg.tol)
+            W, b, _ = fits[c]
+            return _top1(xv @ W.T + b, yv) if yv.numel() else float("nan")
+
+        with progress(desc="linear probe: C search", unit="fit", leave=False) as bar:
+            def scored(c: float) -> float:
+                acc = val_acc(c)
+                bar.update(1)
+                return acc
+
+            best_c, history = search_log_grid(scored, cfg.c_min, cfg.c_max, cfg.grid_points, cfg.refine_steps)
+        W, b, n_iter = fits[best_c]
+        acc = dict(history)[best_c]
+        if cfg.refit == "train+val":
+            W, b, n_iter = fit_logistic(torch.cat([xt, xv]), torch.cat([yt, yv]), K, best_c,
+                                        max_iter=cfg.max_iter, tol=cfg.tol)
+        self.weight.copy_(W.to(self.weight.dtype))
+        self.bias.copy_(b.to(self.bias.dtype))
+        log.info("linear probe: C=%.3g (val top1 %.2f%%, %d fits), %d L-BFGS iterations on %s",
+                 best_c, acc, len(history), n_iter, cfg.refit)
+        return {
+            "C": best_c,
+            "val_acc": acc if yv.numel() else None,
+            "iterations": n_iter,
+            "converged": n_iter < cfg.max_iter,
+            "refit": cfg.refit,
+            "search": [[c, a] for c, a in history],
+        }
+
+
+# -----------------------------------------------------------------------------
+# zs_probe
+
+
+@dataclass
+class ZSProbeConfig(AdapterConfig):
+    name: str = "zs_probe"
+    # Adam step relative to the class vectors' size (per coordinate: lr * mean ||v0|| / sqrt(D)).
+    lr: float = 0.01
+    # Full-batch Adam steps; every step is a checkpoint for validation-based selection.
+    epochs: int = 200
+    # Pull towards the zero-shot init: anchor * mean_c ||v_c - v0_c||^2 / (mean_c ||v0_c||)^2.
+    anchor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"adapter.lr must be a positive finite number, got {self.lr!r}")
+        if self.epochs < 0:
+            raise ValueError(f"adapter.epochs must be >= 0, got {self.epochs}")
+        if not (isinstance(self.anchor, (int, float)) and math.isfinite(self.anchor) and self.anchor >= 0):
+            raise ValueError(f"adapter.anchor must be a finite number >= 0, got {self.anchor!r}")
+
+
+class ZSProbe(Adapter):
+    """Per-class vectors initialised at the zero-shot prototypes, scored by the backbone's geometry."""
+
+    name = "zs_probe"
+    closed_form = True
+
+    def __init__(self, cfg: ZSProbeConfig, backbone, classnames: Sequence[str], templates: Sequence[str]):
+        super().__init__(cfg, backbone, classnames, templates)
+        g = backbone.geometry
+        protos = text_prototypes(backbone, self.classnames, self.templates)  # [K, D] geometry points
+        v0 = class_vectors(g, protos.double() if _space(g) == "lorentz" else protos).float()
+        # Rebuilt from class names and templates on construction, so not saved.
+        self.register_buffer("init", v0, persistent=False)
+        self.weight = nn.Parameter(v0.clone())
+
+    def forward(self, features: Tensor) -> Tensor:
+        B, D = features.shape
+        img = self.backbone.geometry.embed_image(features.to(self.weight.device))
+        return self._logits_of(img, self.weight)  # [B, K]
+
+    def _logits_of(self, img: Tensor, v: Tensor) -> Tensor:
+        """Embedded images [B, D] and class vectors [K, D] -> logits [B, K]."""
+        g = self.backbone.geometry
+        return g.logits(img, class_points(g, v))
+
+    def fit(self, train_x: Tensor, train_y: Tensor, val_x: Optional[Tensor], val_y: Optional[Tensor]) -> Dict:
+        """Adam from the zero-shot init; keeps the step with the best validation accuracy (step 0 included)."""
+        cfg: ZSProbeConfig = self.cfg
+        K, D = self.weight.shape
+        val_x, val_y = _as_val(val_x, val_y, D)
+        for name, x, y in (("train", train_x, train_y), ("val", val_x, val_y)):
+            _check_data(f"zs_probe.fit {name}", x, y, K, D)
+        if train_y.numel() == 0:
+            raise ValueError("zs_probe.fit needs training images, got none")
+        dev, g = self.weight.device, self.backbone.geometry
+        with torch.no_grad():
+            img_t, img_v = g.embed_image(train_x.to(dev)), g.embed_image(val_x.to(dev))
+            self.weight.copy_(self.init)  # training always starts at zero-shot
+        yt, yv = train_y.to(dev), val_y.to(dev)
+        v0 = self.init
+        r = v0.norm(dim=-1).mean().clamp_min(1e-12)
+        has_val = yv.numel() > 0
+        if not has_val:
+            log.warning("zs_probe: no validation images; keeping the last step instead of selecting one")
+
+        @torch.no_grad()
+        def validate() -> Tuple[float, float]:
+            if not has_val:
+                return float("nan"), float("nan")
+            logits = self._logits_of(img_v, self.weight)
+            return _top1(logits, yv), float(F.cross_entropy(logits, yv))
+
+        acc, loss = validate()
+        zs_acc = acc
+        best = {"epoch": 0, "acc": acc, "loss": loss, "weight": self.weight.detach().clone()}
+        opt = torch.optim.Adam([self.weight], lr=cfg.lr * float(r) / math.sqrt(D))
+        train_loss = float("nan")
+        with torch.enable_grad():
+            for epoch in progress(range(1, cfg.epochs + 1), desc="zs probe", unit="step", leave=False):
+                ce = F.cross_entropy(self._logits_of(img_t, self.weight), yt)
+                pull = (self.weight - v0).pow(2).sum(-1).mean() / r.pow(2)
+                total = ce + cfg.anchor * pull
+                opt.zero_grad(set_to_none=True)
+                total.backward()
+                opt.step()
+                train_loss = float(total.detach())
+                acc, loss = validate()
+                if not has_val or (acc, -loss) > (best["acc"], -best["loss"]):
+                    best = {"epoch": epoch, "acc": acc, "loss": loss, "weight": self.weight.detach().clone()}
+        with torch.no_grad():
+            self.weight.copy_(best["weight"])
+        log.info("zs probe: kept step %d of %d (val top1 %.2f%%, zero-shot %.2f%%)",
+                 best["epoch"], cfg.epochs, best["acc"], zs_acc)
+        return {
+            "best_epoch": best["epoch"],
+            "epochs": cfg.epochs,
+            "val_acc": best["acc"] if has_val else None,
+            "zeroshot_val_acc": zs_acc if has_val else None,
+            "val_loss": best["loss"] if has_val else None,
+            "train_loss": train_loss,
+        }
+
+
+register_adapter("linear_probe", LinearProbeConfig, LinearProbe)
+register_adapter("zs_probe", ZSProbeConfig, ZSProbe)

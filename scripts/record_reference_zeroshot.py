@@ -1,0 +1,75 @@
+"""Record the zero-shot top-1 of every shipped reference backbone on every toy task.
+
+    python scripts/record_reference_zeroshot.py            # writes fewclip/reference/zeroshot.json
+
+Each card is evaluated on the CPU on a fixed, class-stratified subset of each
+task's test split (``data.max_test=200``, subset seed 1, the task's full
+template ensemble), the same path as ``fewclip zeroshot backbone=CARD
+data=TASK data.max_test=200 backbone.device=cpu``. ``tests/test_reference.py``
+recomputes every number and compares it to the recorded one to two decimals,
+so a change to the loader, the geometries, the toy world or the weights that
+moves a reference accuracy fails loudly. Rerun this script only when such a
+change is intended, and say why in the commit message.
+"""
+import logging
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from fewclip.backbones import REFERENCE_DIR, BackboneConfig, load_backbone, shipped_cards
+from fewclip.cli import setup_logging
+from fewclip.datasets import DataConfig, build_dataset
+from fewclip.datasets.toytasks import TASKS
+from fewclip.io import atomic_write_json
+from fewclip.zeroshot import evaluate_zeroshot
+
+log = logging.getLogger("fewclip.record_reference_zeroshot")
+
+FORMAT = "fewclip.reference-zeroshot/1"
+MAX_TEST = 200
+SUBSET_SEED = 1
+TEMPLATES = "ensemble"
+DEVICE = "cpu"
+COMMAND = "python scripts/record_reference_zeroshot.py"
+
+
+def record() -> dict:
+    """Zero-shot top-1 (percent, 2 decimals) per shipped card and toy task."""
+    datasets = {task: build_dataset(DataConfig(name=task, max_test=MAX_TEST)) for task in TASKS}
+    top1, n_test, sha = {}, {}, {}
+    for card, path in shipped_cards().items():
+        bb = load_backbone(BackboneConfig(name=str(path), device=DEVICE))
+        sha[card] = bb.weights_sha256
+        top1[card] = {}
+        for task, ds in datasets.items():
+            m = evaluate_zeroshot(bb, ds, templates=TEMPLATES, max_test=MAX_TEST, seed=SUBSET_SEED)
+            top1[card][task] = round(m["top1"], 2)
+            n_test[task] = m["n_test"]
+    return {
+        "format": FORMAT,
+        "command": COMMAND,
+        "subset": {"split": "test", "max_test": MAX_TEST, "seed": SUBSET_SEED, "templates": TEMPLATES,
+                   "n_test": n_test},
+        "device": f"{DEVICE} ({platform.machine()}), torch {torch.__version__}",
+        "weights_sha256": sha,
+        "top1": top1,
+    }
+
+
+def main(argv) -> int:
+    out = Path(argv[0]) if argv else REFERENCE_DIR / "zeroshot.json"
+    setup_logging("warning")
+    result = record()
+    atomic_write_json(out, result)
+    tasks = list(TASKS)
+    print(f"{'backbone':12s} " + " ".join(f"{t:>14s}" for t in tasks))
+    for card, row in result["top1"].items():
+        print(f"{card:12s} " + " ".join(f"{row[t]:13.2f}%" for t in tasks))
+    print(f"-> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
