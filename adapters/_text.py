@@ -19,7 +19,8 @@ from typing import List, Optional, Sequence
 
 import torch
 import torch.nn as nn
-from open_clip.transformer import text_global_pool
+import torch.nn.functional as F
+from open_clip.transformer import ResidualAttentionBlock, text_global_pool
 
 
 class TextTower:
@@ -93,6 +94,76 @@ class TextTower:
             pooled = self.text_projection(pooled) if isinstance(self.text_projection, nn.Linear) \
                 else pooled @ self.text_projection
         return pooled.float()
+
+
+    # -- shared prefix ----------------------------------------------------------
+    @property
+    def can_share_prefix(self) -> bool:
+        """Whether ``forward_shared_prefix`` applies: a causal tower of standard open_clip blocks."""
+        return (self.can_truncate and self.pool_type in ("argmax", "eos")
+                and all(type(b) is ResidualAttentionBlock and b.attn.batch_first and b.attn._qkv_same_embed_dim
+                        for b in self.transformer.resblocks))
+
+    def forward_shared_prefix(self, prefix: torch.Tensor, suffix: torch.Tensor, suffix_tokens: torch.Tensor) -> torch.Tensor:
+        """Raw text features [C, D] of C prompts that share their first P token embeddings.
+
+        ``prefix`` [P, W] is the same for every prompt (start token + shared context); ``suffix``
+        [C, S, W] holds each prompt's remaining embeddings and ``suffix_tokens`` [C, S] their ids.
+        Under a causal mask the prefix's hidden states do not depend on what follows, so they are
+        computed once per layer, and each prompt's suffix attends to them as cached keys and
+        values. The result equals ``forward`` on the concatenated prompts.
+        """
+        P, W = prefix.shape
+        C, S, _ = suffix.shape
+        dt = self.dtype
+        pos = self.positional_embedding[: P + S].to(dt)
+        xp = (prefix.to(dt) + pos[:P]).unsqueeze(0)  # 1, P, W
+        xs = suffix.to(dt) + pos[P:]  # C, S, W
+        causal_p = torch.ones(P, P, dtype=torch.bool, device=xp.device).tril()
+        # suffix position i sees the whole prefix and suffix positions <= i
+        mask_s = torch.cat([torch.ones(S, P, dtype=torch.bool, device=xp.device),
+                            torch.ones(S, S, dtype=torch.bool, device=xp.device).tril()], dim=1)
+        for blk in self.transformer.resblocks:
+            xp, xs = _block_shared(blk, xp, xs, causal_p, mask_s)
+        xs = self.ln_final(xs)
+        # pooled position, counted inside the suffix (the end-of-text token is never in the prefix)
+        if self.pool_type == "argmax":
+            idx = suffix_tokens.argmax(dim=-1)
+        else:
+            idx = (suffix_tokens == self.eos_id).int().argmax(dim=-1)
+        pooled = xs[torch.arange(C, device=xs.device), idx]
+        if self.text_projection is not None:
+            pooled = self.text_projection(pooled) if isinstance(self.text_projection, nn.Linear) \
+                else pooled @ self.text_projection
+        return pooled.float()
+
+
+def _heads(x: torch.Tensor, h: int) -> torch.Tensor:
+    B, L, W = x.shape
+    return x.view(B, L, h, W // h).transpose(1, 2)  # B, h, L, W/h
+
+
+def _block_shared(blk: ResidualAttentionBlock, xp: torch.Tensor, xs: torch.Tensor, mask_p: torch.Tensor,
+                  mask_s: torch.Tensor):
+    """One pre-LN residual block on a shared prefix [1,P,W] and per-prompt suffixes [C,S,W]."""
+    attn = blk.attn
+    h = attn.num_heads
+    C, S, W = xs.shape
+    qp, kp, vp = F.linear(blk.ln_1(xp), attn.in_proj_weight, attn.in_proj_bias).chunk(3, dim=-1)
+    qs, ks, vs = F.linear(blk.ln_1(xs), attn.in_proj_weight, attn.in_proj_bias).chunk(3, dim=-1)
+    qp, kp, vp = _heads(qp, h), _heads(kp, h), _heads(vp, h)  # 1, h, P, d
+    qs, ks, vs = _heads(qs, h), _heads(ks, h), _heads(vs, h)  # C, h, S, d
+    ap = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask_p)
+    k_all = torch.cat([kp.expand(C, -1, -1, -1), ks], dim=2)  # C, h, P+S, d
+    v_all = torch.cat([vp.expand(C, -1, -1, -1), vs], dim=2)
+    as_ = F.scaled_dot_product_attention(qs, k_all, v_all, attn_mask=mask_s)
+    ap = ap.transpose(1, 2).reshape(1, -1, W)
+    as_ = as_.transpose(1, 2).reshape(C, S, W)
+    xp = xp + blk.ls_1(attn.out_proj(ap))
+    xs = xs + blk.ls_1(attn.out_proj(as_))
+    xp = xp + blk.ls_2(blk.mlp(blk.ln_2(xp)))
+    xs = xs + blk.ls_2(blk.mlp(blk.ln_2(xs)))
+    return xp, xs
 
 
 def pad_sequences(seqs: Sequence[Sequence[int]], length: int, pad_id: int = 0) -> torch.Tensor:

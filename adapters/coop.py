@@ -126,23 +126,47 @@ class CoOp(Adapter):
             shape = (C, n_ctx, W) if cfg.csc else (n_ctx, W)
             ctx = torch.randn(shape) * cfg.init_std
         self.ctx = nn.Parameter(ctx.to(device))
+        # Positions [0, P) hold the same embedding for every class (start token + shared context):
+        # end -> 1 + n_ctx, middle -> 1 + n_ctx // 2; a class-specific context shares only the start token.
+        if cfg.csc:
+            self.shared_len = 1
+        else:
+            self.shared_len = {"end": 1 + n_ctx, "middle": 1 + half, "front": 1}[cfg.class_token_position]
+        # "shared": compute the shared prefix once per step (fastest, exact); "truncate": every prompt
+        # in full but cut to the longest one; "faithful": full context length (the reference path).
+        # On the CPU the shared prefix is fastest; on a GPU the many small kernels of the shared path
+        # cost more than they save, and one batched pass over the cut prompts wins (scripts/bench_train.py).
+        can_share = tower.can_share_prefix and self.shared_len >= 2
+        self.text_mode = "shared" if (can_share and device.type == "cpu") else "truncate"
 
     # -- prompts ----------------------------------------------------------
     def equivalent_template(self) -> Optional[str]:
-        """The zero-shot template this context reproduces at initialisation (word init only)."""
+        """The zero-shot template this context reproduces at initialisation (word init only).
+
+        ``None`` for a random init, and where no template tokenizes to these
+        prompts (``middle`` with the split falling inside a multi-token word).
+        """
         if self.cfg.ctx_init is None:
             return None
         words = self.cfg.ctx_init.strip()
         pos = self.cfg.class_token_position
         if pos == "end":
-            return f"{words} {{}}."
-        if pos == "front":
-            return f"{{}} {words}."
-        ids = self.tower.encode_words(words)
-        half = len(ids) // 2
-        dec = self.backbone.tokenizer.decode
-        first, second = dec(ids[:half]).strip(), dec(ids[half:]).strip()
-        return " ".join(p for p in (first, "{}", second) if p) + "."
+            template = f"{words} {{}}."
+        elif pos == "front":
+            template = f"{{}} {words}."
+        else:
+            ids = self.tower.encode_words(words)
+            half = len(ids) // 2
+            dec = self.backbone.tokenizer.decode
+            first, second = dec(ids[:half]).strip(), dec(ids[half:]).strip()
+            template = " ".join(p for p in (first, "{}", second) if p) + "."
+        # The template is equivalent only if it tokenizes to exactly these prompts.
+        tok = self.backbone.tokenizer
+        for name, row in zip(self.classnames, self.tokens.tolist()):
+            ids = [tok.sot_token_id] + self.tower.encode_words(template.format(name)) + [tok.eot_token_id]
+            if row[: len(ids)] != ids or any(t != self.tower.pad_id for t in row[len(ids):]):
+                return None
+        return template
 
     def prompt_embeddings(self) -> torch.Tensor:
         """Prompt embeddings [C, L, W] with the context vectors in place."""
@@ -151,9 +175,29 @@ class CoOp(Adapter):
         index = self.ctx_pos.unsqueeze(-1).expand(-1, -1, ctx.shape[-1])
         return self.fixed_embeddings.scatter(1, index, ctx.to(self.fixed_embeddings.dtype))
 
+    def set_text_mode(self, mode: str) -> "CoOp":
+        """Choose how the text tower runs: "shared", "truncate" or "faithful" (all give the same logits)."""
+        if mode not in ("shared", "truncate", "faithful"):
+            raise ValueError(f"text mode must be shared, truncate or faithful, got {mode!r}")
+        if mode == "shared" and not (self.tower.can_share_prefix and self.shared_len >= 2):
+            raise ValueError("this prompt layout or text tower has no shared prefix to compute once")
+        self.text_mode = mode
+        return self
+
     def text_features(self) -> torch.Tensor:
         """Raw text-tower features [C, D] of the current prompts."""
-        return self.tower.forward(self.prompt_embeddings(), self.tokens)
+        x = self.prompt_embeddings()  # C, L, W
+        if self.text_mode == "shared":
+            P = self.shared_len
+            return self.tower.forward_shared_prefix(x[0, :P], x[:, P:], self.tokens[:, P:])
+        if self.text_mode == "faithful" and x.shape[1] < self.tower.context_length:
+            L = self.tower.context_length
+            pad_tok = torch.full((x.shape[0], L - x.shape[1]), self.tower.pad_id, dtype=self.tokens.dtype,
+                                 device=x.device)
+            tokens = torch.cat([self.tokens, pad_tok], dim=1)
+            x = torch.cat([x, self.tower.embed(pad_tok).to(x.dtype)], dim=1)
+            return self.tower.forward(x, tokens)
+        return self.tower.forward(x, self.tokens)
 
     def prototypes(self) -> torch.Tensor:
         g = self.backbone.geometry

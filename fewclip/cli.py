@@ -123,11 +123,10 @@ def cmd_train(args: Sequence[str]) -> int:
 
 
 def cmd_sweep(args: Sequence[str]) -> int:
-    from .config import compose, to_object
     from .report import write_report
-    from .runs import SweepConfig, run_sweep
+    from .runs import load_sweep_config, run_sweep
 
-    cfg: SweepConfig = to_object(compose(SweepConfig, args))
+    cfg = load_sweep_config(args)
     setup_logging(cfg.log_level)
     out = run_dir(cfg.out, "runs/sweep")
     counts = run_sweep(cfg, out)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -182,12 +182,30 @@ class SweepConfig:
     report: bool = True
 
 
+def load_sweep_config(args: Sequence[str]) -> SweepConfig:
+    """Compose a sweep config. ``sweep.variants`` and ``sweep.backbone_args`` are maps whose keys the user
+    chooses (method labels, backbone names), so they accept new keys; everything else stays in struct mode,
+    and each run's own arguments are checked by ``run_sweep`` before the first run starts."""
+    base = OmegaConf.structured(SweepConfig)
+    for node in (base.sweep.variants, base.sweep.backbone_args):
+        OmegaConf.set_struct(node, False)  # values keep their type (a list of strings)
+    return to_object(compose(SweepConfig, args, base=base))
+
+
 def _safe(name: str) -> str:
     """A folder name for a backbone: a card path becomes its file stem."""
     import re
 
     base = Path(name).stem if name.endswith((".yaml", ".yml")) else name
     return re.sub(r"[^A-Za-z0-9._-]", "_", base)
+
+
+def _zeroshot_args(args: Sequence[str]) -> List[str]:
+    """``args`` without the keys only training runs have (``train.*``, ``adapter.*``, ``shots``): a sweep's
+    shared ``args`` such as ``train.epochs=10`` would not parse as a zero-shot run's config. The training
+    runs of the same sweep still check those keys."""
+    train_only = {f.name for f in fields(TrainRunConfig)} - {f.name for f in fields(RunConfig)}
+    return [a for a in args if a.split("=", 1)[0].split(".", 1)[0] not in train_only]
 
 
 def plan_sweep(spec: SweepSpec) -> List[Dict[str, Any]]:
@@ -199,7 +217,7 @@ def plan_sweep(spec: SweepSpec) -> List[Dict[str, Any]]:
                 base = [f"backbone={bb}", f"data={ds}", *spec.backbone_args.get(bb, []), *spec.args]
                 if method == "zeroshot":
                     runs.append({"backbone": bb, "dataset": ds, "method": method, "shots": 0, "seed": 1,
-                                 "args": base, "dir": Path(_safe(bb)) / ds / "zeroshot"})
+                                 "args": _zeroshot_args(base), "dir": Path(_safe(bb)) / ds / "zeroshot"})
                     continue
                 margs = spec.variants.get(method, [f"adapter={method}"])
                 for k in spec.shots:
