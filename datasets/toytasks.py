@@ -8,8 +8,8 @@ random. Item ids are ``"<split>/<index>"``; the image is rendered from
 |-----------------|-----------|---------|--------------------------------------------------------------|
 | toy-shapes      | shape     | 8       | little: clean photos, shapes named in 95% of captions        |
 | toy-sketch      | shape     | 8       | a drawing style that is 2% of pretraining                    |
-| toy-patterns    | pattern   | 5       | grainy, low-contrast scans (noise 50, contrast 0.7)          |
-| toy-positions   | position  | 5       | low-contrast, noisy images (noise 60, contrast 0.5)          |
+| toy-patterns    | pattern   | 5       | grainy, low-contrast scans (noise 25, contrast 0.45)         |
+| toy-positions   | position  | 5       | low-contrast, noisy images (noise 60, contrast 0.4)          |
 | toy-colours     | colour    | 8       | faded, noisy images (contrast 0.3, noise 40)                 |
 
 The rendering shifts (``noise``, ``contrast``) are applied after the toy world's
@@ -95,8 +95,8 @@ _add(ToyTaskSpec(
         "a shape with a {} texture.",
     ),
     fixed=(("size", "large"),),
-    noise=50.0,
-    contrast=0.7,
+    noise=25.0,
+    contrast=0.45,
     description="5 fill patterns (texture) of large objects in grainy, low-contrast scans: a rendering shift",
 ))
 _add(ToyTaskSpec(
@@ -113,7 +113,7 @@ _add(ToyTaskSpec(
     hflip_ok=False,  # a horizontal flip swaps left and right
     min_crop_scale=0.9,  # a small crop moves the object: keep crops large
     noise=60.0,
-    contrast=0.5,
+    contrast=0.4,
     description="where the object is (5 positions) in low-contrast, noisy images: a rendering shift",
 ))
 _add(ToyTaskSpec(

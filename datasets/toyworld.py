@@ -18,6 +18,11 @@ makes some downstream tasks easy for a CLIP model pretrained on these captions
 and others hard, the way real CLIP is near-perfect on Caltech101 and weak on
 EuroSAT or DTD.
 
+The pretraining distribution also carries spurious correlations, as web data does
+(``PRETRAIN_CORRELATION``): half of the time an object's colour follows its
+pattern and the background follows the position. Downstream tasks draw every
+attribute independently.
+
 Rendering is vectorised over a batch with numpy: every shape mask is a few
 array operations on a coordinate grid, so a batch of 32x32 images costs about
 a hundred microseconds per image on one core.

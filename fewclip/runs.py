@@ -93,7 +93,7 @@ class FeatureCache:
 
 
 def run_zeroshot(cfg: RunConfig, out: Path, *, backbone: Optional[Backbone] = None, dataset=None,
-                 cache: Optional[FeatureCache] = None) -> Dict:
+                 cache: Optional[FeatureCache] = None, method: str = "zeroshot") -> Dict:
     from .io import atomic_write_text
 
     out.mkdir(parents=True, exist_ok=True)
@@ -105,6 +105,7 @@ def run_zeroshot(cfg: RunConfig, out: Path, *, backbone: Optional[Backbone] = No
     # method of a sweep is tested on the same images.
     feats = cache.test(backbone, dataset, cfg.data.max_test, 1, cfg.data.batch_size, cfg.data.workers)
     metrics = evaluate_zeroshot(backbone, dataset, templates=cfg.data.templates, seed=cfg.seed, features=feats)
+    metrics["method"] = method
     metrics["backbone_info"] = backbone.describe()
     atomic_write_json(out / "metrics.json", metrics)
     return metrics
@@ -160,7 +161,7 @@ def run_train(cfg: TrainRunConfig, out: Path, *, backbone: Optional[Backbone] = 
 class SweepSpec:
     backbones: List[str] = field(default_factory=lambda: ["toy-clip"])
     datasets: List[str] = field(default_factory=lambda: ["toy-shapes"])
-    # "zeroshot" or a registered adapter name, or a label defined in `variants`.
+    # "zeroshot", a registered adapter name, or a label defined in `variants`.
     methods: List[str] = field(default_factory=lambda: ["zeroshot", "coop"])
     shots: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
     seeds: List[int] = field(default_factory=lambda: [1, 2, 3])
@@ -168,6 +169,7 @@ class SweepSpec:
     args: List[str] = field(default_factory=list)
     # Named method variants: label -> key=value list including adapter=NAME, e.g.
     #   coop_n4: [adapter=coop, adapter.n_ctx=4]
+    # adapter=zeroshot makes a zero-shot variant: zeroshot_single: [adapter=zeroshot, data.templates=single]
     variants: Dict[str, List[str]] = field(default_factory=dict)
     # key=value overrides per backbone (e.g. for an open_clip backbone's pretrained tag).
     backbone_args: Dict[str, List[str]] = field(default_factory=dict)
@@ -215,14 +217,20 @@ def plan_sweep(spec: SweepSpec) -> List[Dict[str, Any]]:
         for ds in spec.datasets:
             for method in spec.methods:
                 base = [f"backbone={bb}", f"data={ds}", *spec.backbone_args.get(bb, []), *spec.args]
-                if method == "zeroshot":
-                    runs.append({"backbone": bb, "dataset": ds, "method": method, "shots": 0, "seed": 1,
-                                 "args": _zeroshot_args(base), "dir": Path(_safe(bb)) / ds / "zeroshot"})
-                    continue
                 margs = spec.variants.get(method, [f"adapter={method}"])
+                if method == "zeroshot" and method not in spec.variants:
+                    margs = ["adapter=zeroshot"]
+                # A zero-shot run: "zeroshot" itself, or a variant that says adapter=zeroshot.
+                if "adapter=zeroshot" in margs:
+                    zargs = [a for a in margs if a != "adapter=zeroshot"]
+                    runs.append({"backbone": bb, "dataset": ds, "method": method, "kind": "zeroshot", "shots": 0,
+                                 "seed": 1, "args": _zeroshot_args([*base, *zargs]),
+                                 "dir": Path(_safe(bb)) / ds / method})
+                    continue
                 for k in spec.shots:
                     for s in spec.seeds:
-                        runs.append({"backbone": bb, "dataset": ds, "method": method, "shots": k, "seed": s,
+                        runs.append({"backbone": bb, "dataset": ds, "method": method, "kind": "train",
+                                     "shots": k, "seed": s,
                                      "args": [*base, *margs, f"shots={k}", f"seed={s}"],
                                      "dir": Path(_safe(bb)) / ds / method / f"{k}shot" / f"seed{s}"})
     return runs
@@ -240,7 +248,7 @@ def run_sweep(cfg: SweepConfig, out: Path) -> Dict[str, int]:
     parsed = []
     for r in runs:
         try:
-            c = load_config(r["args"], RunConfig) if r["method"] == "zeroshot" else load_train_config(r["args"])
+            c = load_config(r["args"], RunConfig) if r["kind"] == "zeroshot" else load_train_config(r["args"])
         except ConfigError as e:
             raise ConfigError(f"sweep run {r['dir']}: {e}") from None
         c.out = str(out / r["dir"])
@@ -262,8 +270,8 @@ def run_sweep(cfg: SweepConfig, out: Path) -> Dict[str, int]:
         if dkey not in datasets:
             datasets[dkey] = build_dataset(c.data)
         d = out / r["dir"]
-        if r["method"] == "zeroshot":
-            run_zeroshot(c, d, backbone=backbones[bkey], dataset=datasets[dkey], cache=cache)
+        if r["kind"] == "zeroshot":
+            run_zeroshot(c, d, backbone=backbones[bkey], dataset=datasets[dkey], cache=cache, method=r["method"])
         else:
             run_train(c, d, backbone=backbones[bkey], dataset=datasets[dkey], cache=cache, method=r["method"])
         counts["ran"] += 1

@@ -47,3 +47,17 @@ def _map_subpackage(name: str, folder: str) -> None:
 
 _map_subpackage("datasets", "datasets")
 _map_subpackage("adapters", "adapters")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def one_thread():
+    """The tests use tiny models: one intra-op thread avoids OpenMP spin-waits on a busy 2-core CPU."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

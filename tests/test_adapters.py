@@ -14,14 +14,6 @@ from fewclip.runs import load_train_config
 BACKBONES = ["toy-clip", "toy-meru"]  # clip and hyperbolic geometry
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread avoids OpenMP spin-waits on a shared, busy CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def shapes():

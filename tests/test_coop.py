@@ -29,14 +29,6 @@ CARD_GEOMETRIES = {
 SIGLIP_TEXT = "siglip-text"  # CustomTextCLIP tower: bidirectional attention, pooled at the last position
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread avoids OpenMP spin-waits on a shared, busy CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def tiny_model_config(custom_text: bool = False, **text_cfg) -> dict:
     return {

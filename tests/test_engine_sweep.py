@@ -19,14 +19,6 @@ TRAIN = ["train", "adapter=coop", "data=toy-shapes", "shots=1", "seed=1", "train
          "data.max_test=40"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread avoids OpenMP spin-waits on a shared, busy CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def read(path):
     return json.loads(Path(path).read_text())

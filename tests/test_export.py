@@ -28,14 +28,6 @@ from fewclip.runs import load_train_config
 N_CTX, K = 4, 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny problems: one intra-op thread avoids OpenMP spin-waits on a shared, busy CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def train(out, *extra):
     args = ["train", "adapter=coop", "data=toy-shapes", "shots=1", "seed=1", "train.epochs=2",

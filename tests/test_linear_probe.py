@@ -35,14 +35,6 @@ def top1(logits, y):
 # -- fixtures: toy backbones and cached toy-shapes features ------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny problems: one intra-op thread avoids OpenMP spin-waits on a shared, busy CPU (10-100x here)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope="module")
 def shapes():
