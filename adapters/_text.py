@@ -99,39 +99,29 @@ class TextTower:
     # -- shared prefix ----------------------------------------------------------
     @property
     def can_share_prefix(self) -> bool:
-        """Whether ``forward_shared_prefix`` applies: a causal tower of standard open_clip blocks."""
+        """Whether ``forward_packed`` applies: a causal tower of standard open_clip blocks."""
         return (self.can_truncate and self.pool_type in ("argmax", "eos")
                 and all(type(b) is ResidualAttentionBlock and b.attn.batch_first and b.attn._qkv_same_embed_dim
                         for b in self.transformer.resblocks))
 
-    def forward_shared_prefix(self, prefix: torch.Tensor, suffix: torch.Tensor, suffix_tokens: torch.Tensor) -> torch.Tensor:
-        """Raw text features [C, D] of C prompts that share their first P token embeddings.
+    def forward_packed(self, prefix: torch.Tensor, packed: torch.Tensor, positions: torch.Tensor,
+                       mask: torch.Tensor, pool_index: torch.Tensor) -> torch.Tensor:
+        """Raw text features [C, D] of C prompts sharing a prefix, with their suffixes packed end to end.
 
-        ``prefix`` [P, W] is the same for every prompt (start token + shared context); ``suffix``
-        [C, S, W] holds each prompt's remaining embeddings and ``suffix_tokens`` [C, S] their ids.
-        Under a causal mask the prefix's hidden states do not depend on what follows, so they are
-        computed once per layer, and each prompt's suffix attends to them as cached keys and
-        values. The result equals ``forward`` on the concatenated prompts.
+        ``prefix`` [P, W]; ``packed`` [T, W] holds every prompt's tokens after the prefix up to and
+        including its end-of-text token, with no padding; ``positions`` [T] their positions in
+        their own prompt; ``mask`` [T, P+T] (bool, True = may attend) lets a token see the prefix
+        and the earlier tokens of its own prompt; ``pool_index`` [C] is each prompt's end-of-text
+        token in ``packed``. Equal to ``forward`` on the padded prompts, with no work on padding.
         """
         P, W = prefix.shape
-        C, S, _ = suffix.shape
         dt = self.dtype
-        pos = self.positional_embedding[: P + S].to(dt)
-        xp = (prefix.to(dt) + pos[:P]).unsqueeze(0)  # 1, P, W
-        xs = suffix.to(dt) + pos[P:]  # C, S, W
+        xp = (prefix.to(dt) + self.positional_embedding[:P].to(dt)).unsqueeze(0)  # 1, P, W
+        xs = (packed.to(dt) + self.positional_embedding[positions].to(dt)).unsqueeze(0)  # 1, T, W
         causal_p = torch.ones(P, P, dtype=torch.bool, device=xp.device).tril()
-        # suffix position i sees the whole prefix and suffix positions <= i
-        mask_s = torch.cat([torch.ones(S, P, dtype=torch.bool, device=xp.device),
-                            torch.ones(S, S, dtype=torch.bool, device=xp.device).tril()], dim=1)
         for blk in self.transformer.resblocks:
-            xp, xs = _block_shared(blk, xp, xs, causal_p, mask_s)
-        xs = self.ln_final(xs)
-        # pooled position, counted inside the suffix (the end-of-text token is never in the prefix)
-        if self.pool_type == "argmax":
-            idx = suffix_tokens.argmax(dim=-1)
-        else:
-            idx = (suffix_tokens == self.eos_id).int().argmax(dim=-1)
-        pooled = xs[torch.arange(C, device=xs.device), idx]
+            xp, xs = _block_shared(blk, xp, xs, causal_p, mask)
+        pooled = self.ln_final(xs[0, pool_index])  # LayerNorm is per token: pool first, then normalise
         if self.text_projection is not None:
             pooled = self.text_projection(pooled) if isinstance(self.text_projection, nn.Linear) \
                 else pooled @ self.text_projection

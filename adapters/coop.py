@@ -138,6 +138,26 @@ class CoOp(Adapter):
         # cost more than they save, and one batched pass over the cut prompts wins (scripts/bench_train.py).
         can_share = tower.can_share_prefix and self.shared_len >= 2
         self.text_mode = "shared" if (can_share and device.type == "cpu") else "truncate"
+        # The shared path packs every class's tokens after the prefix end to end, up to its own
+        # end-of-text token: under the causal mask nothing after that token reaches the pooled feature,
+        # so no work is spent on padding. Index tensors for the packing, rebuilt from the class names:
+        P = self.shared_len
+        cls_idx, pos_idx, pool, owner = [], [], [], []
+        for c, sq in enumerate(seqs):
+            for j in range(P, len(sq)):
+                cls_idx.append(c)
+                pos_idx.append(j)
+                owner.append(c)
+            pool.append(len(cls_idx) - 1)
+        owner_t = torch.tensor(owner)
+        pos_t = torch.tensor(pos_idx)
+        same = owner_t[:, None] == owner_t[None, :]
+        earlier = pos_t[None, :] <= pos_t[:, None]
+        mask = torch.cat([torch.ones(len(owner), P, dtype=torch.bool), same & earlier], dim=1)  # T, P+T
+        self.register_buffer("_pack_cls", torch.tensor(cls_idx, device=device), persistent=False)
+        self.register_buffer("_pack_pos", pos_t.to(device), persistent=False)
+        self.register_buffer("_pack_mask", mask.to(device), persistent=False)
+        self.register_buffer("_pack_pool", torch.tensor(pool, device=device), persistent=False)
 
     # -- prompts ----------------------------------------------------------
     def equivalent_template(self) -> Optional[str]:
@@ -188,8 +208,9 @@ class CoOp(Adapter):
         """Raw text-tower features [C, D] of the current prompts."""
         x = self.prompt_embeddings()  # C, L, W
         if self.text_mode == "shared":
-            P = self.shared_len
-            return self.tower.forward_shared_prefix(x[0, :P], x[:, P:], self.tokens[:, P:])
+            packed = x[self._pack_cls, self._pack_pos]  # T, W
+            return self.tower.forward_packed(x[0, : self.shared_len], packed, self._pack_pos, self._pack_mask,
+                                             self._pack_pool)
         if self.text_mode == "faithful" and x.shape[1] < self.tower.context_length:
             L = self.tower.context_length
             pad_tok = torch.full((x.shape[0], L - x.shape[1]), self.tower.pad_id, dtype=self.tokens.dtype,
