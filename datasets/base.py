@@ -55,6 +55,8 @@ class DataConfig:
             raise ValueError(f"data.batch_size must be >= 1, got {self.batch_size}")
         if self.workers < 0:
             raise ValueError(f"data.workers must be >= 0, got {self.workers}")
+        if self.max_test is not None and self.max_test < 1:
+            raise ValueError(f"data.max_test must be >= 1 or null (all test images), got {self.max_test}")
 
 
 @dataclass(frozen=True)

@@ -150,13 +150,13 @@ def cmd_report(args: Sequence[str]) -> int:
 
 
 def cmd_adapters(args: Sequence[str]) -> int:
+    import importlib
     from dataclasses import asdict
 
     from fewclip.adapters import ADAPTERS
 
     for name, info in sorted(ADAPTERS.items()):
-        doc = (info.adapter_cls.__module__ and (__import__(info.adapter_cls.__module__, fromlist=["_"]).__doc__
-                                                 or "")).strip().splitlines()
+        doc = (importlib.import_module(info.adapter_cls.__module__).__doc__ or "").strip().splitlines()
         print(f"{name}: {doc[0] if doc else ''}")
         defaults = {k: v for k, v in asdict(info.config_cls()).items() if k != "name"}
         print("  " + " ".join(f"adapter.{k}={v}" for k, v in defaults.items()))
@@ -242,7 +242,23 @@ COMMANDS: Dict[str, Callable[[Sequence[str]], int]] = {
     "export": cmd_export,
     "predict": cmd_predict,
 }
-CONFIG_SCHEMAS: Dict[str, type] = {"zeroshot": RunConfig}
+def _train_defaults():
+    from fewclip.adapters.coop import CoOpConfig
+
+    from .runs import TrainRunConfig
+
+    return TrainRunConfig(adapter=CoOpConfig())
+
+
+def _sweep_defaults():
+    from .runs import SweepConfig
+
+    return SweepConfig()
+
+
+# `fewclip COMMAND --help` prints these defaults.
+CONFIG_SCHEMAS: Dict[str, Callable[[], object]] = {"zeroshot": RunConfig, "train": _train_defaults,
+                                                   "sweep": _sweep_defaults}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,11 +27,11 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 import torch.nn as nn
-from tqdm.auto import tqdm
 
 from fewclip.datasets import toyworld as tw
 
 from .backbones import remove_final_ln
+from .features import progress
 from .geometry import Geometry, make_geometry
 from .tokenizer import WordTokenizer
 
@@ -183,8 +183,7 @@ def pretrain(cfg: PretrainConfig):
     model.train()
     t0 = time.time()
     ema = None
-    bar = tqdm(loader, total=cfg.steps, desc=f"pretrain {cfg.recipe}", unit="step",
-               disable=logging.getLogger("fewclip").getEffectiveLevel() > logging.INFO)
+    bar = progress(loader, total=cfg.steps, desc=f"pretrain {cfg.recipe}", unit="step")
     for step, (pixels, tokens) in enumerate(bar):
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
