@@ -72,6 +72,9 @@ class PretrainConfig:
     threads: Optional[int] = None
     # Processes rendering batches ahead of the training loop (0 = in the loop).
     workers: int = 1
+    # "bf16": bf16 autocast on CUDA (ignored on the CPU). The shipped models were trained with "none"
+    # (fp32, TF32 off), which is what makes a CPU run and a GPU run of the script agree.
+    amp: str = "none"
     out: str = "fewclip/reference"
     log_every: int = 100
 
@@ -80,6 +83,8 @@ class PretrainConfig:
             raise ValueError(f"recipe must be one of {sorted(RECIPES)}, got {self.recipe!r}")
         if self.steps < 1 or self.batch_size < 2:
             raise ValueError("steps must be >= 1 and batch_size >= 2")
+        if self.amp not in ("none", "bf16"):
+            raise ValueError(f"amp must be 'none' or 'bf16', got {self.amp!r}")
 
 
 def model_config(cfg: PretrainConfig, vocab_size: int) -> Dict:
@@ -188,9 +193,10 @@ def pretrain(cfg: PretrainConfig):
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         pixels, tokens = pixels.to(device, non_blocking=True), tokens.to(device, non_blocking=True)
-        img = geometry.embed_image(model.encode_image(pixels))
-        txt = geometry.embed_text(model.encode_text(tokens))
-        loss = geometry.contrastive_loss(img, txt)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.amp == "bf16" and device.type == "cuda"):
+            img = geometry.embed_image(model.encode_image(pixels))
+            txt = geometry.embed_text(model.encode_text(tokens))
+            loss = geometry.contrastive_loss(img, txt)  # the geometry computes in float32
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -244,7 +250,7 @@ def save_reference(cfg: PretrainConfig, model: nn.Module, geometry: Geometry, to
         "preprocess": {"mean": list(TOY_MEAN), "std": list(TOY_STD)},
         "trained_with": {
             "command": f"python scripts/pretrain_reference.py recipe={name} seed={cfg.seed} steps={cfg.steps} "
-                       f"batch_size={cfg.batch_size}",
+                       f"batch_size={cfg.batch_size}" + (f" amp={cfg.amp}" if cfg.amp != "none" else ""),
             "device": device_name,
             "train_time_s": round(train_time_s, 1),
             "final_loss_ema": round(history[-1]["loss_ema"], 4) if history else None,

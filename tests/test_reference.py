@@ -133,3 +133,12 @@ def test_pretraining_is_a_function_of_its_config():
     c = pretrain(tiny_pretrain("toy-meru", steps=3, seed=1))[-1]
     assert [h["loss"] for h in a] == [h["loss"] for h in b]
     assert [h["loss"] for h in a] != [h["loss"] for h in c]
+
+
+def test_pretrain_config_rejects_bad_values():
+    from fewclip.pretrain import PretrainConfig
+
+    with pytest.raises(ValueError, match="amp"):
+        PretrainConfig(amp="fp8")
+    with pytest.raises(ValueError, match="recipe"):
+        PretrainConfig(recipe="toy-nope")
