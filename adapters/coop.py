@@ -231,16 +231,23 @@ class CoOp(Adapter):
 
     @torch.no_grad()
     def nearest_words(self, k: int = 3) -> List[List[List[str]]]:
-        """CoOp's interpretation: the k vocabulary tokens nearest (Euclidean) to each context vector.
+        """CoOp's interpretation: the k vocabulary tokens nearest (Euclidean) to each context vector,
+        special tokens excluded.
 
         Returns [n_groups][n_ctx][k] strings; one group for a unified context, one per class for CSC.
         """
         table = self.tower.token_embedding.weight.float()  # V, W
         ctx = self.ctx.float() if self.ctx.dim() == 3 else self.ctx.float().unsqueeze(0)
-        decoder = getattr(self.backbone.tokenizer, "decoder", {})
+        tok = self.backbone.tokenizer
+        decoder = getattr(tok, "decoder", {})
+        # Special tokens (start, end, padding, unknown) are not words: leave them out.
+        special = [getattr(tok, a, None) for a in ("sot_token_id", "eot_token_id", "pad_token_id", "unk_token_id")]
+        special = torch.tensor([i for i in special if i is not None and 0 <= i < table.shape[0]], dtype=torch.long)
         out = []
         for group in ctx:
             d = torch.cdist(group, table)  # n, V
+            if len(special):
+                d[:, special.to(d.device)] = float("inf")
             idx = d.topk(k, largest=False).indices
             out.append([[str(decoder.get(int(i), int(i))).replace("</w>", "") for i in row] for row in idx])
         return out
