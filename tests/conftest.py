@@ -61,3 +61,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def shapes():
+    """The toy-shapes task (rendered once per test session)."""
+    from fewclip.datasets import DataConfig, build_dataset
+
+    return build_dataset(DataConfig(name="toy-shapes"))

@@ -14,12 +14,6 @@ from fewclip.runs import load_train_config
 BACKBONES = ["toy-clip", "toy-meru"]  # clip and hyperbolic geometry
 
 
-
-@pytest.fixture(scope="module")
-def shapes():
-    return build_dataset(DataConfig(name="toy-shapes"))
-
-
 @pytest.fixture(scope="module")
 def toy(shapes):
     """name -> (backbone, train, val, test): 2-shot toy-shapes features (seed 1) and 16 test images."""

@@ -29,7 +29,6 @@ CARD_GEOMETRIES = {
 SIGLIP_TEXT = "siglip-text"  # CustomTextCLIP tower: bidirectional attention, pooled at the last position
 
 
-
 def tiny_model_config(custom_text: bool = False, **text_cfg) -> dict:
     return {
         **({"custom_text": True} if custom_text else {}),

@@ -19,7 +19,6 @@ TRAIN = ["train", "adapter=coop", "data=toy-shapes", "shots=1", "seed=1", "train
          "data.max_test=40"]
 
 
-
 def read(path):
     return json.loads(Path(path).read_text())
 

@@ -28,7 +28,6 @@ from fewclip.runs import load_train_config
 N_CTX, K = 4, 3
 
 
-
 def train(out, *extra):
     args = ["train", "adapter=coop", "data=toy-shapes", "shots=1", "seed=1", "train.epochs=2",
             "train.augment_views=1", "data.max_test=16", "backbone.device=cpu", f"out={out}", *extra]

@@ -35,12 +35,6 @@ def top1(logits, y):
 # -- fixtures: toy backbones and cached toy-shapes features ------------------
 
 
-
-@pytest.fixture(scope="module")
-def shapes():
-    return build_dataset(DataConfig(name="toy-shapes"))
-
-
 @pytest.fixture(scope="module")
 def toy(shapes):
     """name -> (backbone, train, val, test) with 16-shot toy-shapes features (seed 1)."""
