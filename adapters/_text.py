@@ -101,7 +101,8 @@ class TextTower:
     def can_share_prefix(self) -> bool:
         """Whether ``forward_packed`` applies: a causal tower of standard open_clip blocks."""
         return (self.can_truncate and self.pool_type in ("argmax", "eos")
-                and all(type(b) is ResidualAttentionBlock and b.attn.batch_first and b.attn._qkv_same_embed_dim
+                and all(type(b) is ResidualAttentionBlock and type(b.attn) is nn.MultiheadAttention
+                        and b.attn.batch_first and b.attn._qkv_same_embed_dim
                         for b in self.transformer.resblocks))
 
     def forward_packed(self, prefix: torch.Tensor, packed: torch.Tensor, positions: torch.Tensor,

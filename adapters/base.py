@@ -40,6 +40,11 @@ class Adapter(nn.Module):
     uses_text_tower: bool = False
     # True when the engine should call fit() instead of running its gradient loop.
     closed_form: bool = False
+    # True when the image tower itself is adapted: the engine then encodes images through
+    # ``encode_images(pixels)`` (with gradients in training) instead of using cached features.
+    trains_image_tower: bool = False
+    # Overrides of the run's ``train`` section defaults for this adapter (e.g. its own optimiser).
+    train_defaults: Dict[str, object] = {}
 
     def __init__(self, cfg: AdapterConfig, backbone, classnames: Sequence[str], templates: Sequence[str]):
         super().__init__()
@@ -54,6 +59,10 @@ class Adapter(nn.Module):
 
     def fit(self, train_x, train_y, val_x, val_y) -> Dict:
         raise NotImplementedError(f"adapter {self.name!r} is trained by gradient descent, not fit()")
+
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Raw image features [B, D]; adapters that train the image tower override this."""
+        return self.backbone.encode_images(pixels)
 
     def adapter_state_dict(self) -> Dict[str, torch.Tensor]:
         """The adapter's own tensors (persistent buffers and parameters), detached, on CPU."""
@@ -94,4 +103,5 @@ def build_adapter(cfg: AdapterConfig, backbone, classnames: Sequence[str], templ
     info = adapter_info(cfg.name)
     if not isinstance(cfg, info.config_cls):
         raise TypeError(f"adapter {cfg.name!r} needs a {info.config_cls.__name__}, got {type(cfg).__name__}")
-    return info.adapter_cls(cfg, backbone, classnames, templates).to(backbone.device)
+    # In eval mode (no dropout) until the engine trains it.
+    return info.adapter_cls(cfg, backbone, classnames, templates).to(backbone.device).eval()

@@ -30,13 +30,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
+from .attention import LocalAttentionConfig, apply_local_attention
 from .geometry import Geometry, make_geometry
 
 log = logging.getLogger(__name__)
@@ -65,10 +66,23 @@ class BackboneConfig:
     # "auto" picks CUDA when available, else the CPU.
     device: str = "auto"
     cache_dir: Optional[str] = None
+    # Local-window self-attention in the frozen towers (fewclip.attention), e.g. local_attention.text.window=8.
+    local_attention: LocalAttentionConfig = field(default_factory=LocalAttentionConfig)
 
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"backbone.precision must be one of {PRECISIONS}, got {self.precision!r}")
+
+
+def backbone_config_from_dict(d: Dict[str, Any]) -> BackboneConfig:
+    """A ``BackboneConfig`` from a plain dict (nested sections included), checked like a config file."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(BackboneConfig), d))
+    except OmegaConfBaseException as e:
+        raise ValueError(str(e).splitlines()[0]) from None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -194,6 +208,8 @@ class Backbone(nn.Module):
         self.weights_sha256 = weights_sha256
         self.source = source
         self.tokenizer_spec = tokenizer_spec or {}
+        # What was changed in the towers' attention (fewclip.attention.apply_local_attention); {} = nothing.
+        self.local_attention: Dict[str, Any] = {}
         self.freeze()
 
     # -- trainability ------------------------------------------------------
@@ -258,7 +274,15 @@ class Backbone(nn.Module):
             "weights_sha256": self.weights_sha256,
             "image_size": self.image_size,
             "tokenizer": self.tokenizer_spec,
+            "local_attention": self.local_attention or None,
         }
+
+    @property
+    def variant(self) -> str:
+        """A key for what changes the features besides the weights (empty for the plain backbone)."""
+        import json
+
+        return json.dumps(self.local_attention, sort_keys=True) if self.local_attention else ""
 
 
 # ---------------------------------------------------------------------------
@@ -505,6 +529,11 @@ def _place(bb: Backbone, cfg: BackboneConfig) -> Backbone:
     dtype = _dtype(cfg.precision)
     bb.model.to(device=device, dtype=dtype)
     bb.geometry.to(device=device)  # geometry math stays in float32
+    if cfg.local_attention.active:
+        try:
+            bb.local_attention = apply_local_attention(bb.model, cfg.local_attention)
+        except ValueError as e:
+            raise BackboneError(f"backbone.local_attention: {e}") from None
     return bb.freeze()
 
 

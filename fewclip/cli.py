@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from . import __version__
 from .config import ConfigError, RunConfig, load_config, to_yaml
@@ -25,8 +25,9 @@ commands:
   sweep        methods x datasets x shots x seeds, resumable: fewclip sweep sweep/demo.yaml out=runs/demo
   report       seed-averaged tables and the accuracy-vs-shots plot: fewclip report runs/demo
   adapters     list the registered adapters (few-shot methods)
-  export       a CoOp run as one prompt file: fewclip export runs/coop -o prompts.safetensors [nearest=3]
-  predict      classify images with a prompt file: fewclip predict prompts=prompts.safetensors a.jpg b.png [top_k=5]
+  export       a CoOp run as one prompt file: fewclip export runs/coop -o prompts.safetensors [nearest=3];
+               a LoRA run as a folder (peft format): fewclip export runs/lora [merge=true]
+  predict      classify images with a prompt file or LoRA export: fewclip predict prompts=prompts.safetensors a.jpg
 
 Overrides use omegaconf dotlist syntax (data.templates=single); backbone=NAME,
 data=NAME and adapter=NAME set that section's name. `fewclip COMMAND --help`
@@ -166,8 +167,8 @@ def cmd_adapters(args: Sequence[str]) -> int:
 def cmd_export(args: Sequence[str]) -> int:
     from .export import export_run, summary
 
-    usage = "usage: fewclip export RUN_DIR [-o PATH] [nearest=K] [backbone.device=cpu]"
-    rest, opts = list(args), {"out": None, "nearest": "3", "backbone.device": None}
+    usage = "usage: fewclip export RUN_DIR [-o PATH] [nearest=K] [merge=false] [backbone.device=cpu]"
+    rest, opts = list(args), {"out": None, "nearest": "3", "merge": "false", "backbone.device": None}
     paths = []
     while rest:
         a = rest.pop(0)
@@ -190,9 +191,32 @@ def cmd_export(args: Sequence[str]) -> int:
         raise ConfigError(f"nearest must be an integer, got {opts['nearest']!r}") from None
     if nearest < 1:
         raise ConfigError(f"nearest must be >= 1, got {nearest}")
+    if opts["merge"] not in ("true", "false"):
+        raise ConfigError(f"merge must be true or false, got {opts['merge']!r}")
+    if _run_adapter(paths[0]) == "lora":
+        from .lora_export import export_lora_run, summary as lora_summary
+
+        done = export_lora_run(paths[0], opts["out"], merge=opts["merge"] == "true", device=opts["backbone.device"])
+        print(f"exported LoRA run {paths[0]}\n" + lora_summary(done.path, done.meta))
+        return 0
+    if opts["merge"] == "true":
+        raise ConfigError("merge=true applies to LoRA runs (it folds the low-rank updates into the weights)")
     done = export_run(paths[0], opts["out"], nearest_k=nearest, device=opts["backbone.device"])
     print(f"exported CoOp run {paths[0]}\n" + summary(done.path, done.meta))
     return 0
+
+
+def _run_adapter(run_dir: str) -> Optional[str]:
+    """The adapter name in a run directory's config.yaml (None when there is none to read)."""
+    from omegaconf import OmegaConf
+
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        return None
+    try:
+        return str(OmegaConf.load(path).adapter.name)
+    except Exception:
+        return None
 
 
 def cmd_predict(args: Sequence[str]) -> int:
@@ -222,7 +246,7 @@ def cmd_predict(args: Sequence[str]) -> int:
         raise ConfigError(f"top_k must be >= 1, got {top_k}")
     clf = load_prompts(opts["prompts"], device=opts["backbone.device"], backbone_overrides=overrides)
     preds = clf.predict(images, top_k=top_k)
-    print(f"prompts {opts['prompts']}: {len(clf.classnames)} classes on {clf.backbone.name} "
+    print(f"{type(clf).__name__} {opts['prompts']}: {len(clf.classnames)} classes on {clf.backbone.name} "
           f"[{clf.geometry.name}]; probabilities are a softmax over the classes")
     for path, top in zip(images, preds):
         print(path)

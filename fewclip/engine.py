@@ -40,6 +40,10 @@ class TrainConfig:
     weight_decay: float = 5e-4
     # null = CoOp's schedule by shots (50/100/100/200/200 for 1/2/4/8/16).
     epochs: Optional[int] = None
+    # A number of optimiser steps instead of epochs: `iterations` in total, or `iterations_per_shot` x shots
+    # (CLIP-LoRA: 500 x shots). The first one set wins over `epochs`.
+    iterations: Optional[int] = None
+    iterations_per_shot: Optional[int] = None
     warmup_epochs: int = 1
     warmup_lr: float = 1e-5
     batch_size: int = 32
@@ -65,6 +69,10 @@ class TrainConfig:
             raise ValueError(f"train.batch_size must be >= 1, got {self.batch_size}")
         if self.epochs is not None and self.epochs < 1:
             raise ValueError(f"train.epochs must be >= 1 or null, got {self.epochs}")
+        for key in ("iterations", "iterations_per_shot"):
+            v = getattr(self, key)
+            if v is not None and v < 1:
+                raise ValueError(f"train.{key} must be >= 1 or null, got {v}")
         if self.lr <= 0:
             raise ValueError(f"train.lr must be > 0, got {self.lr}")
         if self.crop_scale_min is not None and not 0 < self.crop_scale_min <= 1:
@@ -78,6 +86,15 @@ def epochs_for(cfg: TrainConfig, shots: int) -> int:
         if shots <= k:
             return COOP_EPOCHS[k]
     return COOP_EPOCHS[16]
+
+
+def total_steps(cfg: TrainConfig, shots: int, per_epoch: int) -> int:
+    """Optimiser steps of a run: iterations, iterations_per_shot x shots, or epochs x steps per epoch."""
+    if cfg.iterations is not None:
+        return cfg.iterations
+    if cfg.iterations_per_shot is not None:
+        return cfg.iterations_per_shot * shots
+    return epochs_for(cfg, shots) * per_epoch
 
 
 def train_transform(backbone, dataset, cfg: TrainConfig):
@@ -132,8 +149,10 @@ def cache_train_views(backbone, dataset, items, cfg: TrainConfig, seed: int, bat
 def train_gradient(adapter, train_views, val, classnames, cfg: TrainConfig, shots: int, seed: int,
                    encode_fn=None) -> Dict:
     """The loop for gradient adapters. ``train_views``: list of (features, labels);
-    with ``encode_fn`` (faithful mode) each batch's images are encoded on the fly
-    and ``train_views`` holds a single (item indices, labels) pair instead."""
+    with ``encode_fn`` (faithful mode, or an adapted image tower) each batch's images are
+    encoded on the fly and ``train_views`` holds a single (item indices, labels) pair instead.
+    ``val``: (features, labels), a function returning them (re-encoded by an adapted image
+    tower), or None."""
     device = adapter.backbone.device
     params = adapter.trainable_parameters()
     if not params:
@@ -142,11 +161,11 @@ def train_gradient(adapter, train_views, val, classnames, cfg: TrainConfig, shot
         opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     else:
         opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    epochs = epochs_for(cfg, shots)
     n = len(train_views[0][1])
     per_epoch = math.ceil(n / cfg.batch_size)
-    total = epochs * per_epoch
-    warmup = cfg.warmup_epochs * per_epoch
+    total = total_steps(cfg, shots, per_epoch)
+    epochs = math.ceil(total / per_epoch)
+    warmup = min(cfg.warmup_epochs * per_epoch, total)
     gen = torch.Generator().manual_seed(seed)
     best = (-1.0, None, -1)
     history = []
@@ -156,24 +175,26 @@ def train_gradient(adapter, train_views, val, classnames, cfg: TrainConfig, shot
     for epoch in bar:
         feats, labels = train_views[epoch % len(train_views)]
         perm = torch.randperm(n, generator=gen)
-        total_loss = 0.0
-        for b in range(per_epoch):
+        total_loss, seen = 0.0, 0
+        for b in range(min(per_epoch, total - step)):
             idx = perm[b * cfg.batch_size : (b + 1) * cfg.batch_size]
             for g in opt.param_groups:
                 g["lr"] = cosine_lr(step, total, warmup, cfg.lr, cfg.warmup_lr)
-            x = encode_fn(idx) if encode_fn is not None else feats[idx].to(device)
             y = labels[idx].to(device)
             with _autocast(device, cfg.amp):
+                x = encode_fn(idx) if encode_fn is not None else feats[idx].to(device)
                 logits = adapter(x)
             loss = F.cross_entropy(logits.float(), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             total_loss += float(loss.detach()) * len(idx)
+            seen += len(idx)
             step += 1
-        entry = {"epoch": epoch + 1, "loss": total_loss / n}
+        entry = {"epoch": epoch + 1, "loss": total_loss / max(seen, 1)}
         if cfg.select == "val" and val is not None:
-            acc = evaluate(adapter, val[0], val[1], classnames)["top1"]
+            vx, vy = val() if callable(val) else val
+            acc = evaluate(adapter, vx, vy, classnames)["top1"]
             entry["val_top1"] = acc
             if acc > best[0]:
                 best = (acc, copy.deepcopy(adapter.adapter_state_dict()), epoch + 1)
@@ -192,7 +213,7 @@ def fit_adapter(adapter, backbone, dataset, split, cfg: TrainConfig, *, seed: in
                 workers: int = 0, val_features=None) -> Dict:
     """Train ``adapter`` on the few-shot ``split``; returns training info (time, epochs, ...)."""
     t0 = time.time()
-    if val_features is None:
+    if val_features is None and not adapter.trains_image_tower:
         val_features = extract_features(backbone, dataset, split.val, batch_size=batch_size, workers=workers,
                                         desc="val") if split.val else None
     if adapter.closed_form:
@@ -201,7 +222,8 @@ def fit_adapter(adapter, backbone, dataset, split, cfg: TrainConfig, *, seed: in
                                   desc="train")
         vx, vy = val_features if val_features is not None else (None, None)
         info = adapter.fit(tx, ty, vx, vy) or {}
-    elif cfg.augment_views == 0:
+    elif cfg.augment_views == 0 or adapter.trains_image_tower:
+        # Fresh augmentations every step: the faithful mode, and always when the image tower is trained.
         tf = train_transform(backbone, dataset, cfg)
         items = ImageItems(dataset, split.train, tf)
         labels = torch.tensor([it.label for it in split.train])
@@ -209,9 +231,19 @@ def fit_adapter(adapter, backbone, dataset, split, cfg: TrainConfig, *, seed: in
 
         def encode(idx):
             pixels = torch.stack([items[int(i)][0] for i in idx])
-            return backbone.encode_images(pixels)
+            return adapter.encode_images(pixels)
 
-        info = train_gradient(adapter, [(torch.arange(len(labels)), labels)], val_features, dataset.classnames,
+        val = val_features
+        if adapter.trains_image_tower and split.val:
+            def val():
+                with torch.no_grad():
+                    adapter.eval()
+                    out = extract_features(backbone, dataset, split.val, batch_size=batch_size, workers=workers,
+                                           desc="val", encode=adapter.encode_images)
+                    adapter.train()
+                    return out
+
+        info = train_gradient(adapter, [(torch.arange(len(labels)), labels)], val, dataset.classnames,
                               cfg, split.shots, seed, encode_fn=encode)
     else:
         views = cache_train_views(backbone, dataset, split.train, cfg, seed, batch_size, workers)

@@ -126,6 +126,10 @@ def backbone_identity(backbone, cfg=None) -> Dict[str, Any]:
     if cfg is not None:
         ident["config"] = {"name": cfg.name, "pretrained": cfg.pretrained, "geometry": cfg.geometry,
                            "precision": cfg.precision}
+        if cfg.local_attention.active:
+            from omegaconf import OmegaConf
+
+            ident["config"]["local_attention"] = OmegaConf.to_container(OmegaConf.structured(cfg.local_attention))
     return ident
 
 
@@ -245,9 +249,13 @@ def export_run(run_dir: Union[str, Path], out: Union[str, Path, None] = None, *,
         cfg = load_train_config([str(run_dir / "config.yaml")])
     except ConfigError as e:
         raise ExportError(f"cannot read the config of run {run_dir}: {e}") from None
+    if cfg.adapter.name == "lora":
+        raise ExportError(f"run {run_dir} is a LoRA run: export it with fewclip.lora_export.export_lora_run "
+                          f"(`fewclip export` does this for you)")
     if cfg.adapter.name != "coop":
         raise ExportError(f"run {run_dir} was trained with adapter {cfg.adapter.name!r}; fewclip export writes "
-                          f"CoOp prompts (learned context vectors) and supports adapter=coop runs only")
+                          f"CoOp prompts (learned context vectors) or LoRA weights, and supports adapter=coop and "
+                          f"adapter=lora runs only")
     for name in ("adapter.safetensors", "split.json", "metrics.json"):
         if not (run_dir / name).is_file():
             raise ExportError(f"run {run_dir} is not finished: it has no {name}")
@@ -533,16 +541,19 @@ def load_prompts(path: Union[str, Path], device: str = "auto", *, backbone=None,
     ``backbone_overrides`` changes fields of the stored backbone config, e.g.
     ``{"name": "path/to/card.yaml"}`` when the card has moved.
     """
-    from .backbones import BackboneConfig, load_backbone
+    from .backbones import backbone_config_from_dict, load_backbone
+    from .lora_export import is_lora_export, load_lora_export
 
     path = Path(path)
+    if is_lora_export(path):
+        return load_lora_export(path, device, backbone=backbone, backbone_overrides=backbone_overrides)
     tensors, meta = read_prompts(path)
     if backbone is None:
         stored = dict(meta["backbone"].get("config") or {"name": meta["backbone"]["name"]})
         stored.update(backbone_overrides or {})
         stored["device"] = device
         try:
-            cfg = BackboneConfig(**stored)
+            cfg = backbone_config_from_dict(stored)
         except (TypeError, ValueError) as e:
             raise ExportError(f"prompt file {path}: cannot make a backbone config from {stored}: {e}") from None
         backbone = load_backbone(cfg)

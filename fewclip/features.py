@@ -47,15 +47,18 @@ def extract_features(
     batch_size: int = 256,
     workers: int = 0,
     desc: str = "features",
+    encode: Optional[Callable] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Raw image-tower outputs [N, D] (float32, on CPU) and labels [N] for ``items``."""
+    """Raw image-tower outputs [N, D] (float32, on CPU) and labels [N] for ``items``;
+    ``encode`` replaces ``backbone.encode_images`` (an adapter's adapted image tower)."""
+    encode = encode or backbone.encode_images
     transform = transform or backbone.preprocess()
     loader = DataLoader(ImageItems(dataset, items, transform), batch_size=batch_size, shuffle=False,
                         num_workers=workers)
     feats: List[torch.Tensor] = []
     labels: List[torch.Tensor] = []
     for pixels, y in progress(loader, desc=desc, unit="batch", leave=False):
-        feats.append(backbone.encode_images(pixels).cpu())
+        feats.append(encode(pixels).float().cpu())
         labels.append(y)
     if not feats:
         return torch.empty(0), torch.empty(0, dtype=torch.long)

@@ -22,7 +22,7 @@ from fewclip.datasets import build_dataset, make_few_shot_split, write_split
 
 from .backbones import Backbone, BackboneConfig, load_backbone
 from .config import ConfigError, RunConfig, compose, load_config, split_args, to_object, to_yaml
-from .engine import TrainConfig, evaluate, fit_adapter
+from .engine import TrainConfig, _autocast, evaluate, fit_adapter
 from .features import extract_features
 from .io import atomic_write, atomic_write_json, read_json
 from .zeroshot import evaluate_zeroshot, test_items
@@ -68,7 +68,8 @@ def load_train_config(args: Sequence[str]) -> TrainRunConfig:
         info = adapter_info(name)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    base = OmegaConf.structured(TrainRunConfig(adapter=info.config_cls()))
+    train = TrainConfig(**getattr(info.adapter_cls, "train_defaults", {}))
+    base = OmegaConf.structured(TrainRunConfig(adapter=info.config_cls(), train=train))
     return to_object(compose(TrainRunConfig, args, base=base))
 
 
@@ -84,7 +85,7 @@ class FeatureCache:
         self._store: Dict[Tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
 
     def test(self, backbone: Backbone, dataset, max_test: Optional[int], seed: int, batch_size: int, workers: int):
-        key = (backbone.name, backbone.weights_sha256, dataset.name, max_test, seed if max_test else None)
+        key = (backbone.name, backbone.weights_sha256, backbone.variant, dataset.name, max_test, seed if max_test else None)
         if key not in self._store:
             items = test_items(dataset, max_test, seed)
             self._store[key] = extract_features(backbone, dataset, items, batch_size=batch_size, workers=workers,
@@ -129,7 +130,14 @@ def run_train(cfg: TrainRunConfig, out: Path, *, backbone: Optional[Backbone] = 
     adapter = build_adapter(cfg.adapter, backbone, dataset.classnames, dataset.prompts(cfg.data.templates))
     info = fit_adapter(adapter, backbone, dataset, split, cfg.train, seed=cfg.seed,
                        batch_size=cfg.data.batch_size, workers=cfg.data.workers)
-    feats, labels = cache.test(backbone, dataset, cfg.data.max_test, 1, cfg.data.batch_size, cfg.data.workers)
+    if adapter.trains_image_tower:  # test features from the adapted image tower
+        with torch.no_grad(), _autocast(backbone.device, cfg.train.amp):
+            feats, labels = extract_features(backbone, dataset, test_items(dataset, cfg.data.max_test, 1),
+                                             batch_size=cfg.data.batch_size, workers=cfg.data.workers,
+                                             desc=f"{dataset.name} test", encode=adapter.encode_images)
+    else:
+        feats, labels = cache.test(backbone, dataset, cfg.data.max_test, 1, cfg.data.batch_size,
+                                   cfg.data.workers)
     metrics = evaluate(adapter, feats, labels, dataset.classnames, amp=cfg.train.amp)
     sd = adapter.adapter_state_dict()
     meta = {"adapter": cfg.adapter.name, "backbone": backbone.name, "dataset": dataset.name,
@@ -144,6 +152,8 @@ def run_train(cfg: TrainRunConfig, out: Path, *, backbone: Optional[Backbone] = 
         "shots": cfg.shots,
         "seed": cfg.seed,
         "trainable_parameters": int(sum(v.numel() for v in sd.values())),
+        "templates": list(adapter.templates),
+        "backbone_weights_sha256": backbone.weights_sha256,
         **info,
     })
     atomic_write_json(out / "metrics.json", metrics)

@@ -50,7 +50,12 @@ def test_every_adapter(name, backbone_name, toy, shapes, tmp_path):
         result = adapter.fit(tx, ty, vx, vy)
         assert isinstance(result, dict)
     else:
-        loss = F.cross_entropy(adapter(tx), ty)
+        if adapter.trains_image_tower:  # the image tower itself is adapted: features come through it
+            split = make_few_shot_split(shapes, 2, seed=1)
+            px = torch.stack([bb.preprocess()(shapes.load_image(it)) for it in split.train])
+            loss = F.cross_entropy(adapter(adapter.encode_images(px)), ty)
+        else:
+            loss = F.cross_entropy(adapter(tx), ty)
         loss.backward()
         own = {id(p) for p in adapter.parameters()}
         assert all(p.grad is not None for p in adapter.trainable_parameters())

@@ -1,0 +1,262 @@
+"""LoRA on the frozen towers, injected with peft (CLIP-LoRA).
+
+Zanella and Ben Ayed, "Low-Rank Few-Shot Adaptation of Vision-Language
+Models", CVPRW 2024: low-rank updates ``W + (alpha / r) * B A`` on the query,
+key and value projections of every layer of both towers, rank 2, alpha 1,
+dropout 0.25 on the LoRA input, AdamW (lr 2e-4, weight decay 1e-2), cosine
+schedule, batch 32, 500 x shots iterations. Those are the defaults here; the
+optimisation defaults reach the run's ``train`` section through
+``LoRA.train_defaults`` and any of them can be overridden on the command line.
+
+open_clip packs q, k and v into one ``in_proj_weight`` of an
+``nn.MultiheadAttention``; peft adapts ``nn.Linear`` modules. So the adapter
+works on a *copy* of the backbone's module tree (the frozen tensors are shared,
+not copied) whose targeted attention modules are ``fewclip.attention.SplitAttention``
+(q, k, v and output as four Linears, numerically the same attention, local
+windows kept), and peft's ``LoraConfig`` names exactly the Linears to adapt:
+``q``, ``k``, ``v``, ``o`` (attention output) and ``mlp`` (both MLP layers),
+in the chosen ``towers`` and ``layers``. The backbone itself is never modified,
+so a sweep can reuse it for the next run.
+
+peft initialises B to zero, so at initialisation the logits *are* the
+zero-shot logits of the run's templates, in every geometry: the text features
+go through the geometry (embedded, averaged per class) exactly as zero-shot's
+prototypes do.
+
+Only the text tower adapted: ``forward(features)`` takes the cached image
+features of the frozen image tower. Vision tower adapted: the engine calls
+``encode_images(pixels)`` every step (under autocast on CUDA), and tests on
+features from the adapted image tower.
+
+The saved adapter state (``adapter_state_dict``) is the LoRA A and B matrices
+only. ``save_peft(dir)`` writes them in peft's own format
+(``adapter_model.safetensors`` + ``adapter_config.json``), and
+``merged_state_dict()`` folds them into a plain open_clip state dict.
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from fewclip.attention import pack_split_state, parse_layers, split_attention, text_tower_parts, \
+    vision_tower_parts
+
+from ._text import TextTower
+from .base import Adapter, AdapterConfig, register_adapter
+
+log = logging.getLogger(__name__)
+
+TARGETS = ("q", "k", "v", "o", "mlp")
+TOWERS = ("text", "vision", "both")
+_ATTN_NAMES = {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj", "o": "attn.out_proj"}
+_MLP_NAMES = ("mlp.c_fc", "mlp.c_proj")
+ADAPTER_NAME = "default"  # peft's adapter slot
+
+
+@dataclass
+class LoRAConfig(AdapterConfig):
+    name: str = "lora"
+    rank: int = 2
+    alpha: float = 1.0
+    dropout: float = 0.25
+    # Comma list of q, k, v (each on its own), o (attention output projection) and mlp (both MLP Linears).
+    targets: str = "q,k,v"
+    # "text", "vision" or "both".
+    towers: str = "both"
+    # "all", "first:N", "last:N" or a comma list of layer indices, in each adapted tower.
+    layers: str = "all"
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"adapter.rank must be >= 1, got {self.rank}")
+        if self.alpha <= 0:
+            raise ValueError(f"adapter.alpha must be > 0, got {self.alpha}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f"adapter.dropout must be in [0, 1), got {self.dropout}")
+        bad = [t for t in self.target_list if t not in TARGETS]
+        if bad or not self.target_list:
+            raise ValueError(f"adapter.targets={self.targets!r}: use a comma list of {', '.join(TARGETS)}")
+        if self.towers not in TOWERS:
+            raise ValueError(f"adapter.towers must be one of {TOWERS}, got {self.towers!r}")
+        try:
+            parse_layers(self.layers, None)
+        except ValueError as e:
+            raise ValueError(str(e).replace("local_attention layers", "adapter.layers")) from None
+
+    @property
+    def target_list(self) -> List[str]:
+        return [t.strip() for t in self.targets.split(",") if t.strip()]
+
+
+def _shared_copy(model: nn.Module) -> nn.Module:
+    """A copy of the module tree that shares every parameter and buffer tensor with ``model``."""
+    memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+def _tower_blocks(model: nn.Module, tower: str):
+    """(module-name prefix, blocks) of one tower of an open_clip model."""
+    if tower == "text":
+        transformer, _ = text_tower_parts(model)
+    else:
+        transformer, _, _ = vision_tower_parts(model)
+    names = {id(m): n for n, m in model.named_modules()}
+    return names[id(transformer.resblocks)], transformer.resblocks
+
+
+def lora_target_modules(model: nn.Module, cfg: LoRAConfig) -> List[str]:
+    """Split the targeted blocks' attention (in place, on a copy) and list the full names of the Linears
+    peft should adapt."""
+    towers = ["text", "vision"] if cfg.towers == "both" else [cfg.towers]
+    targets = cfg.target_list
+    names: List[str] = []
+    for tower in towers:
+        try:
+            prefix, blocks = _tower_blocks(model, tower)
+            layers = parse_layers(cfg.layers, len(blocks))
+        except ValueError as e:
+            raise ValueError(f"adapter.towers={cfg.towers}: {e}") from None
+        if any(t in ("q", "k", "v") for t in targets):
+            try:
+                split_attention([blocks[i] for i in layers])
+            except ValueError as e:
+                raise ValueError(f"LoRA on the {tower} tower: {e}") from None
+        for i in layers:
+            for t in targets:
+                for sub in (_MLP_NAMES if t == "mlp" else (_ATTN_NAMES[t],)):
+                    names.append(f"{prefix}.{i}.{sub}")
+    own = dict(model.named_modules())
+    for n in names:
+        if not isinstance(own.get(n), nn.Linear):
+            raise ValueError(f"LoRA target {n} is not an nn.Linear in this backbone ({type(own.get(n)).__name__})")
+    return names
+
+
+class LoRA(Adapter):
+    name = "lora"
+    uses_text_tower = True
+    # The run's `train` section starts from these (CLIP-LoRA's recipe) instead of CoOp's.
+    train_defaults = {"optimizer": "adamw", "lr": 2e-4, "weight_decay": 1e-2, "warmup_epochs": 0,
+                      "iterations_per_shot": 500}
+
+    def __init__(self, cfg: LoRAConfig, backbone, classnames: Sequence[str], templates: Sequence[str] = ()):
+        super().__init__(cfg, backbone, classnames, templates)
+        from peft import LoraConfig, get_peft_model
+
+        if not self.templates:
+            self.templates = ["a photo of a {}."]
+        bad = [t for t in self.templates if t.count("{}") != 1]
+        if bad:
+            raise ValueError(f"each prompt template needs exactly one '{{}}' for the class name; bad: {bad}")
+        self.adapts_text = cfg.towers in ("text", "both")
+        self.trains_image_tower = cfg.towers in ("vision", "both")
+        model = _shared_copy(backbone.model)
+        targets = lora_target_modules(model, cfg)
+        self.peft_config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                                      target_modules=targets, bias="none")
+        peft_model = get_peft_model(model, self.peft_config, adapter_name=ADAPTER_NAME)
+        object.__setattr__(self, "peft_model", peft_model)
+        object.__setattr__(self, "model", model)  # the LoRA-injected copy (peft wraps its Linears in place)
+        object.__setattr__(self, "tower", TextTower(model, backbone.tokenizer))
+        # Register the LoRA modules (and their dropout) on the adapter: parameters(), train() and the
+        # state dict then cover exactly the LoRA tensors.
+        self.lora = nn.ModuleDict()
+        for name, mod in model.named_modules():
+            if hasattr(mod, "lora_A") and ADAPTER_NAME in getattr(mod, "lora_A", {}):
+                self.lora[name.replace(".", "__")] = nn.ModuleDict({
+                    "A": mod.lora_A[ADAPTER_NAME], "B": mod.lora_B[ADAPTER_NAME],
+                    "dropout": mod.lora_dropout[ADAPTER_NAME]})
+        for p in self.lora.parameters():
+            p.requires_grad_(True)
+        # Prompts as token ids, cut to the longest prompt where that is exact.
+        texts = [t.format(c) for c in self.classnames for t in self.templates]
+        tokens = backbone.tokenize(texts)
+        if self.tower.can_truncate:
+            L = int((tokens != self.tower.pad_id).sum(dim=1).max())
+            L = max(L, int(tokens.argmax(dim=1).max()) + 1)
+            tokens = tokens[:, :L]
+        self.register_buffer("tokens", tokens, persistent=False)
+        self._fixed_protos: Optional[torch.Tensor] = None
+
+    # -- towers --------------------------------------------------------------
+    def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Raw features [B, D] from the (adapted) image tower; gradients flow when enabled."""
+        bb = self.backbone
+        return self.model.encode_image(pixels.to(bb.device, bb.dtype)).float()
+
+    def text_features(self) -> torch.Tensor:
+        """Raw text features [C*T, D] of every class prompt through the (adapted) text tower."""
+        tokens = self.tokens
+        x = self.tower.embed(tokens)
+        return self.tower.forward(x, tokens)
+
+    def prototypes(self) -> torch.Tensor:
+        g = self.backbone.geometry
+        if not self.adapts_text:
+            if self._fixed_protos is None:
+                with torch.no_grad():
+                    self._fixed_protos = self._protos(g)
+            return self._fixed_protos
+        return self._protos(g)
+
+    def _protos(self, g) -> torch.Tensor:
+        emb = g.embed_text(self.text_features())
+        C, T = len(self.classnames), len(self.templates)
+        return g.prototype(emb.reshape(C, T, -1))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:  # [B, D] raw image features -> [B, C]
+        g = self.backbone.geometry
+        return g.logits(g.embed_image(features.float()), self.prototypes())
+
+    # -- export --------------------------------------------------------------
+    def trainable_parameter_count(self) -> int:
+        return sum(p.numel() for p in self.lora.parameters())
+
+    def peft_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The LoRA tensors under peft's own names (as in ``adapter_model.safetensors``)."""
+        from peft import get_peft_model_state_dict
+
+        sd = get_peft_model_state_dict(self.peft_model, adapter_name=ADAPTER_NAME)
+        return {k: v.detach().cpu().contiguous() for k, v in sd.items()}
+
+    def load_peft_state_dict(self, sd: Dict[str, torch.Tensor]) -> None:
+        from peft import set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(self.peft_model, sd, adapter_name=ADAPTER_NAME)
+        missing = [k for k in result.missing_keys if "lora_" in k]
+        if missing or result.unexpected_keys:
+            raise ValueError(f"LoRA weights do not fit this adapter: missing {missing[:3]}, "
+                             f"unexpected {list(result.unexpected_keys)[:3]}")
+        self._fixed_protos = None
+
+    def save_peft(self, folder) -> None:
+        """peft's own format: ``adapter_model.safetensors`` and ``adapter_config.json``."""
+        self.peft_model.save_pretrained(str(folder), selected_adapters=[ADAPTER_NAME])
+
+    def merged_state_dict(self) -> Dict[str, torch.Tensor]:
+        """The backbone's open_clip state dict with the LoRA updates folded in (same keys as the original)."""
+        from peft import get_peft_model
+        from peft.utils import set_peft_model_state_dict
+
+        model = copy.deepcopy(self.backbone.model)  # a real copy: merging writes into the weights
+        lora_target_modules(model, self.cfg)
+        pm = get_peft_model(model, self.peft_config, adapter_name=ADAPTER_NAME)
+        set_peft_model_state_dict(pm, self.peft_state_dict(), adapter_name=ADAPTER_NAME)
+        merged = pm.merge_and_unload()
+        sd = pack_split_state({k: v.detach().cpu().contiguous() for k, v in merged.state_dict().items()})
+        own = self.backbone.model.state_dict()
+        if list(sorted(sd)) != list(sorted(own)):
+            raise RuntimeError("merged LoRA state dict does not have the backbone's keys")
+        return {k: sd[k].to(own[k].dtype).contiguous() for k in own}
+
+    def load_adapter_state_dict(self, sd: Dict[str, torch.Tensor]) -> None:
+        super().load_adapter_state_dict(sd)
+        self._fixed_protos = None
+
+
+register_adapter("lora", LoRAConfig, LoRA)

@@ -1,0 +1,290 @@
+"""Exported LoRA runs: peft's own format plus fewclip's metadata, or one merged open_clip state dict.
+
+``fewclip export RUN_DIR`` on a LoRA run writes a folder::
+
+    RUN_DIR/export/
+      adapter_model.safetensors   the LoRA A/B matrices, peft's key names
+      adapter_config.json         peft's LoraConfig (target_modules name open_clip's module paths)
+      fewclip.json                what fewclip needs to rebuild the classifier (below)
+      merged.safetensors          with merge=true: the backbone's open_clip state dict with the
+                                  LoRA updates folded in (same keys, shapes and dtype as the
+                                  original), the same metadata under the "fewclip" key
+
+``fewclip predict prompts=RUN_DIR/export`` (the folder) or
+``prompts=RUN_DIR/export/merged.safetensors`` classifies images with either.
+
+peft's files load with peft on the same module tree fewclip builds: the
+backbone with its targeted attention split into q/k/v Linears
+(``fewclip.attention.split_attention``); ``fewclip.adapters.lora`` does that.
+The merged file needs no fewclip and no peft::
+
+    import open_clip, torch
+    from safetensors.torch import load_file
+    model = open_clip.create_model("ViT-B-16")           # the backbone's architecture
+    model.load_state_dict(load_file("merged.safetensors"))  # strict: same keys as open_clip's
+
+and then classifies zero-shot with the run's templates (``fewclip.json``:
+``templates``, ``classnames``) in the backbone's geometry.
+
+``fewclip.json`` holds ``format`` ("fewclip.lora"), ``format_version``,
+``fewclip_version``, ``backbone`` (name, source, weights checksum, config
+section), ``geometry`` (name, params), ``preprocess``, ``tokenizer``,
+``classnames``, ``templates``, ``lora`` (the adapter config), ``trainable_parameters``
+and ``run`` (dir, dataset, shots, seed, top1).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Union
+
+import torch
+
+from .export import ExportError, Exported, PromptClassifier, backbone_identity, check_backbone
+
+log = logging.getLogger(__name__)
+
+FORMAT = "fewclip.lora"
+FORMAT_VERSION = 1
+META_FILE = "fewclip.json"
+MERGED_FILE = "merged.safetensors"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_CONFIG = "adapter_config.json"
+
+
+def is_lora_export(path: Union[str, Path]) -> bool:
+    """A LoRA export folder, or a merged file whose metadata says so."""
+    path = Path(path)
+    if path.is_dir():
+        return (path / META_FILE).is_file()
+    if path.suffix == ".safetensors" and path.is_file():
+        try:
+            from safetensors import safe_open
+
+            with safe_open(str(path), "pt") as f:
+                meta = (f.metadata() or {}).get("fewclip")
+            return bool(meta) and json.loads(meta).get("format") == FORMAT
+        except Exception:
+            return False
+    return False
+
+
+def lora_metadata(adapter, *, backbone_cfg=None, run: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    from dataclasses import asdict
+
+    from . import __version__
+
+    bb = adapter.backbone
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "fewclip_version": __version__,
+        "backbone": backbone_identity(bb, backbone_cfg),
+        "geometry": {"name": bb.geometry.name, "params": bb.geometry.params()},
+        "preprocess": {"image_size": bb.image_size, "mean": list(bb.mean), "std": list(bb.std)},
+        "tokenizer": bb.tokenizer_spec,
+        "classnames": list(adapter.classnames),
+        "templates": list(adapter.templates),
+        "lora": asdict(adapter.cfg),
+        "trainable_parameters": int(adapter.trainable_parameter_count()),
+        "run": dict(run or {}),
+    }
+
+
+def export_lora(adapter, out: Union[str, Path], *, merge: bool = False, backbone_cfg=None,
+                run: Optional[Dict[str, Any]] = None) -> Exported:
+    """Write a LoRA adapter to the folder ``out`` (see the module docstring); returns (folder, metadata)."""
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    from .io import atomic_write, atomic_write_text
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out} exists and is not a folder; a LoRA export is a folder")
+    out.mkdir(parents=True, exist_ok=True)
+    meta = lora_metadata(adapter, backbone_cfg=backbone_cfg, run=run)
+    with tempfile.TemporaryDirectory(dir=out) as tmp:  # peft writes its files; move each in atomically
+        adapter.save_peft(tmp)
+        for name in (PEFT_WEIGHTS, PEFT_CONFIG):
+            src = Path(tmp) / name
+            if not src.is_file():
+                raise ExportError(f"peft did not write {name}")
+            src.replace(out / name)
+    if merge:
+        sd = adapter.merged_state_dict()
+        atomic_write(out / MERGED_FILE, lambda tmp: save_file(sd, tmp, metadata={"fewclip": json.dumps(meta)}))
+    atomic_write_text(out / META_FILE, json.dumps(meta, indent=2))
+    return Exported(out, meta)
+
+
+def export_lora_run(run_dir: Union[str, Path], out: Union[str, Path, None] = None, *, merge: bool = False,
+                    device: Optional[str] = None, backbone=None) -> Exported:
+    """Export a finished LoRA run directory (default folder ``RUN_DIR/export``)."""
+    from safetensors.torch import load_file
+
+    from fewclip.adapters import build_adapter
+    from fewclip.datasets import DatasetError, read_split
+
+    from .backbones import load_backbone
+    from .io import read_json
+    from .runs import load_train_config
+
+    run_dir = Path(run_dir)
+    cfg = load_train_config([str(run_dir / "config.yaml")])
+    for name in ("adapter.safetensors", "split.json", "metrics.json"):
+        if not (run_dir / name).is_file():
+            raise ExportError(f"run {run_dir} is not finished: it has no {name}")
+    try:
+        split = read_split(run_dir / "split.json")
+    except DatasetError as e:
+        raise ExportError(str(e)) from None
+    metrics = read_json(run_dir / "metrics.json")
+    templates = metrics.get("templates")
+    if not templates:
+        raise ExportError(f"run {run_dir}: metrics.json does not list the prompt templates the run used; "
+                          f"re-run it with this version of fewclip")
+    if device is not None:
+        cfg.backbone.device = device
+    backbone = backbone or load_backbone(cfg.backbone)
+    trained_on = metrics.get("backbone_weights_sha256")
+    if trained_on and backbone.weights_sha256 and trained_on != backbone.weights_sha256:
+        raise ExportError(f"run {run_dir} was trained on backbone weights with sha256 {trained_on[:16]}... but "
+                          f"{backbone.name!r} now loads {backbone.weights_sha256[:16]}...")
+    adapter = build_adapter(cfg.adapter, backbone, split.classnames, templates)
+    try:
+        adapter.load_adapter_state_dict(load_file(str(run_dir / "adapter.safetensors")))
+    except RuntimeError as e:
+        raise ExportError(f"{run_dir / 'adapter.safetensors'} does not match the run's LoRA config: {e}") from None
+    adapter.eval()
+    run = {"dir": str(run_dir), "dataset": split.dataset or cfg.data.name, "shots": cfg.shots, "seed": cfg.seed,
+           "top1": metrics.get("top1")}
+    return export_lora(adapter, out if out is not None else run_dir / "export", merge=merge,
+                       backbone_cfg=cfg.backbone, run=run)
+
+
+def summary(path: Union[str, Path], meta: Dict[str, Any]) -> str:
+    lo, bb, run = meta["lora"], meta["backbone"], meta.get("run") or {}
+    checksum = bb.get("weights_sha256") or bb.get("state_sha256") or ""
+    lines = [
+        f"LoRA export: {path}",
+        f"  backbone  {bb['name']} [{meta['geometry']['name']}], checksum {checksum[:16]}...",
+        f"  classes   {len(meta['classnames'])}: {', '.join(meta['classnames'])}",
+        f"  templates {meta['templates']}",
+        f"  LoRA      rank {lo['rank']}, alpha {lo['alpha']}, targets {lo['targets']}, towers {lo['towers']}, "
+        f"layers {lo['layers']}: {meta['trainable_parameters']} parameters",
+    ]
+    if run.get("top1") is not None:
+        lines.append(f"  run       top-1 {run['top1']:.2f}% on {run.get('dataset')} ({run.get('shots')}-shot, "
+                     f"seed {run.get('seed')})")
+    files = [PEFT_WEIGHTS, PEFT_CONFIG, META_FILE] + ([MERGED_FILE] if (Path(path) / MERGED_FILE).exists() else [])
+    lines.append(f"  files     {', '.join(files)}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------
+# reading
+# ---------------------------------------------------------------------------
+
+
+class LoRAClassifier(PromptClassifier):
+    """Images -> class logits on a backbone whose weights have the LoRA updates merged in.
+
+    The prototypes are the zero-shot prototypes of the run's templates through the
+    adapted text tower; ``with_classnames`` builds them for any other names.
+    """
+
+    def __init__(self, backbone, meta: Dict[str, Any], path: Optional[Path] = None,
+                 classnames: Optional[Sequence[str]] = None):
+        from .features import text_prototypes
+
+        names = list(classnames if classnames is not None else meta["classnames"])
+        protos = text_prototypes(backbone, names, meta["templates"])
+        empty = torch.empty(0)
+        super().__init__(backbone, {"ctx": empty, "prototypes": protos, "text_features": empty},
+                         {**meta, "classnames": names}, path)
+
+    def __repr__(self) -> str:
+        lo = self.meta["lora"]
+        return (f"LoRAClassifier({len(self.classnames)} classes, {self.backbone.name} [{self.geometry.name}], "
+                f"rank {lo['rank']}, targets {lo['targets']}, towers {lo['towers']})")
+
+    def with_classnames(self, classnames: Sequence[str]) -> "LoRAClassifier":
+        names = list(classnames)
+        if not names:
+            raise ValueError("with_classnames needs at least one class name")
+        return LoRAClassifier(self.backbone, self.meta, self.path, names)
+
+
+def _read_meta(path: Path) -> Dict[str, Any]:
+    if path.is_dir():
+        try:
+            meta = json.loads((path / META_FILE).read_text())
+        except (OSError, ValueError) as e:
+            raise ExportError(f"cannot read {path / META_FILE}: {e}") from None
+    else:
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads((f.metadata() or {})["fewclip"])
+    if meta.get("format") != FORMAT:
+        raise ExportError(f"{path}: not a fewclip LoRA export (format {meta.get('format')!r})")
+    if meta.get("format_version", 0) > FORMAT_VERSION:
+        raise ExportError(f"{path}: written by a newer fewclip (format version {meta['format_version']}); "
+                          f"upgrade fewclip to read it")
+    return meta
+
+
+@torch.no_grad()
+def load_lora_export(path: Union[str, Path], device: str = "auto", *, backbone=None,
+                     backbone_overrides: Optional[Dict[str, Any]] = None) -> LoRAClassifier:
+    """Load a LoRA export folder (peft format) or its merged file into a classifier.
+
+    The backbone named in the metadata is loaded (or ``backbone`` is copied, never changed) and
+    checked against the stored weights checksum; the LoRA updates are then merged into its weights.
+    """
+    import copy
+
+    from safetensors.torch import load_file
+
+    from fewclip.adapters.lora import LoRA, LoRAConfig
+
+    from .backbones import BackboneError, backbone_config_from_dict, load_backbone, load_state_dict_strict
+
+    path = Path(path)
+    if not path.exists():
+        raise ExportError(f"LoRA export not found: {path}")
+    meta = _read_meta(path)
+    if backbone is None:
+        stored = dict(meta["backbone"].get("config") or {"name": meta["backbone"]["name"]})
+        stored.update(backbone_overrides or {})
+        stored["device"] = device
+        try:
+            cfg = backbone_config_from_dict(stored)
+        except (TypeError, ValueError) as e:
+            raise ExportError(f"{path}: cannot make a backbone config from {stored}: {e}") from None
+        backbone = load_backbone(cfg)
+    else:
+        backbone = copy.deepcopy(backbone)
+    check_backbone(meta, backbone, path)
+    if path.is_dir():
+        weights = path / PEFT_WEIGHTS
+        if not weights.is_file():
+            raise ExportError(f"{path}: no {PEFT_WEIGHTS} (peft's LoRA weights) in the export folder")
+        adapter = LoRA(LoRAConfig(**meta["lora"]), backbone, meta["classnames"], meta["templates"])
+        try:
+            adapter.load_peft_state_dict(load_file(str(weights)))
+        except ValueError as e:
+            raise ExportError(f"{weights}: {e}") from None
+        merged = adapter.merged_state_dict()
+        del adapter
+    else:
+        merged = load_file(str(path))
+    try:
+        load_state_dict_strict(backbone.model, merged, str(path))
+    except BackboneError as e:
+        raise ExportError(str(e)) from None
+    backbone.source = f"{backbone.source} + LoRA {path}"
+    return LoRAClassifier(backbone, meta, path)
