@@ -266,12 +266,12 @@ COMMANDS: Dict[str, Callable[[Sequence[str]], int]] = {
     "export": cmd_export,
     "predict": cmd_predict,
 }
-def _train_defaults():
-    from fewclip.adapters.coop import CoOpConfig
+def _train_defaults(args: Sequence[str] = ()):
+    """The train config with the given arguments (`fewclip train adapter=lora --help` shows LoRA's
+    defaults, including its own `train` section)."""
+    from .runs import load_train_config
 
-    from .runs import TrainRunConfig
-
-    return TrainRunConfig(adapter=CoOpConfig())
+    return load_train_config([a for a in args if a not in ("--help", "-h")])
 
 
 def _sweep_defaults():
@@ -299,7 +299,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if "--help" in args or "-h" in args:
         schema = CONFIG_SCHEMAS.get(command)
-        print(USAGE if schema is None else f"fewclip {command} config (defaults):\n\n" + to_yaml(schema()))
+        if schema is None:
+            print(USAGE)
+            return 0
+        try:
+            cfg = schema(args) if schema is _train_defaults else schema()
+        except ConfigError as e:
+            print(f"fewclip {command}: error: {e}", file=sys.stderr)
+            return 2
+        print(f"fewclip {command} config (defaults):\n\n" + to_yaml(cfg))
         return 0
     setup_logging("info")
     from fewclip.datasets import DatasetError

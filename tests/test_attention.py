@@ -129,15 +129,20 @@ def test_text_window_zero_sees_only_itself(plain):
 
 
 def test_text_receptive_field_is_window_times_layers(plain):
-    # 3 causal layers, window 1: the end token (position e) sees positions e-3..e, no further.
+    # 3 causal layers, window 1: the end token (position e) sees positions e-3..e and no further.
     bb = load("toy-clip", text={"window": 1})
-    base = "a photo of a big red circle."
-    far = "the photo of a big red circle."    # changes position 1 (e = 9: distance 8)
-    near = "a photo of a big red square."      # changes position e-1 (the class word)
-    assert bb.tokenize([base]).argmax() == bb.tokenize([far]).argmax() == bb.tokenize([near]).argmax()
-    f_base, f_far, f_near = bb.encode_text([base, far, near])
-    torch.testing.assert_close(f_base, f_far, rtol=0, atol=1e-6)
-    assert (f_base - f_near).abs().max() > 1e-3
+    base = "a photo of a big red circle."   # [SOT] a photo of a big red circle [EOT]: e = 8
+    at_4 = "a photo of the big red circle."  # changes position 4 (e - 4)
+    at_3 = "a photo of a small red circle."  # changes position 5 (e - 3)
+    tok = bb.tokenize([base, at_4, at_3])
+    assert tok.argmax(dim=1).tolist() == [8, 8, 8]
+    assert (tok[0] != tok[1]).nonzero().flatten().tolist() == [4]
+    assert (tok[0] != tok[2]).nonzero().flatten().tolist() == [5]
+    f_base, f_4, f_3 = bb.encode_text([base, at_4, at_3])
+    torch.testing.assert_close(f_base, f_4, rtol=0, atol=1e-6)
+    assert (f_base - f_3).abs().max() > 1e-3
+    g_base, g_4 = plain.encode_text([base, at_4])
+    assert (g_base - g_4).abs().max() > 1e-3  # global attention sees position 4
 
 
 @pytest.mark.parametrize("cls_mode", ["global", "local"])
@@ -249,3 +254,44 @@ def test_backbone_config_round_trips_through_yaml():
     cfg = backbone_config_from_dict({"name": "toy-clip", "local_attention": {"text": {"window": 3}}})
     again = backbone_config_from_dict(OmegaConf.to_container(OmegaConf.structured(cfg)))
     assert again == cfg and again.local_attention.text.window == 3
+
+
+def test_sweep_variants_with_windows_do_not_share_cached_features(tmp_path, shapes):
+    from fewclip.runs import FeatureCache, load_sweep_config, run_sweep
+
+    cfg = load_sweep_config([
+        "sweep.backbones=[toy-clip]", "sweep.datasets=[toy-shapes]", "sweep.methods=[zeroshot,zs_w0,coop_w1]",
+        "sweep.shots=[1]", "sweep.seeds=[1]",
+        "sweep.args=[data.max_test=40,train.epochs=2,backbone.device=cpu,data.templates=single]",
+        "sweep.variants.zs_w0=[adapter=zeroshot,backbone.local_attention.vision.window=0,"
+        "backbone.local_attention.vision.cls=local]",
+        "sweep.variants.coop_w1=[adapter=coop,backbone.local_attention.text.window=1]",
+    ])
+    counts = run_sweep(cfg, tmp_path)
+    assert counts["ran"] == 3
+    import json
+
+    zs = json.loads((tmp_path / "toy-clip/toy-shapes/zeroshot/metrics.json").read_text())
+    w0 = json.loads((tmp_path / "toy-clip/toy-shapes/zs_w0/metrics.json").read_text())
+    coop = json.loads((tmp_path / "toy-clip/toy-shapes/coop_w1/1shot/seed1/metrics.json").read_text())
+    # every patch sees only itself and a local class token sees only itself: the image is ignored
+    assert w0["backbone_info"]["local_attention"]["vision"]["window"] == 0
+    assert w0["top1"] == pytest.approx(100 / 8, abs=0.01) and zs["top1"] > 50
+    assert zs["backbone_info"]["local_attention"] is None and coop["n_test"] == 40
+    del FeatureCache
+
+
+def test_flex_refuses_a_padding_mask():
+    from fewclip.attention import _MaskCache, attend
+
+    q = torch.randn(2, 2, 5, 8)
+    pad = torch.zeros(4, 5, 5)
+    pad[..., 4] = float("-inf")  # [B*H, L, L]: the last token is padding
+    with pytest.raises(ValueError, match="impl=flex cannot apply this tower's attention mask"):
+        attend(q, q, q, pad, _MaskCache(Window(1)), "flex")
+    # the mask path takes it, and auto falls back to it
+    a = attend(q, q, q, pad, _MaskCache(Window(1)), "mask")
+    torch.testing.assert_close(attend(q, q, q, pad, _MaskCache(Window(1)), "auto"), a)
+    # a 2-D mask the window does not know as causal is refused too
+    with pytest.raises(ValueError, match="impl=flex"):
+        attend(q, q, q, torch.zeros(5, 5), _MaskCache(Window(1)), "flex")
