@@ -121,7 +121,9 @@ def lora_target_modules(model: nn.Module, cfg: LoRAConfig) -> List[str]:
             layers = parse_layers(cfg.layers, len(blocks))
         except ValueError as e:
             raise ValueError(f"adapter.towers={cfg.towers}: {e}") from None
-        if any(t in ("q", "k", "v") for t in targets):
+        if any(t in ("q", "k", "v", "o") for t in targets):
+            # Split q/k/v, and for `o` too: nn.MultiheadAttention reads out_proj.weight directly instead of
+            # calling out_proj, so a LoRA wrapper on it would never run. SplitAttention calls it.
             try:
                 split_attention([blocks[i] for i in layers])
             except ValueError as e:
@@ -198,9 +200,10 @@ class LoRA(Adapter):
     def prototypes(self) -> torch.Tensor:
         g = self.backbone.geometry
         if not self.adapts_text:
-            if self._fixed_protos is None:
-                with torch.no_grad():
-                    self._fixed_protos = self._protos(g)
+            if self._fixed_protos is None or self._fixed_protos.device != self.backbone.device:
+                # computed once, in float32 even when first asked for inside an autocast training step
+                with torch.no_grad(), torch.autocast(self.backbone.device.type, enabled=False):
+                    self._fixed_protos = self._protos(g).float()
             return self._fixed_protos
         return self._protos(g)
 

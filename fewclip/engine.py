@@ -181,8 +181,13 @@ def train_gradient(adapter, train_views, val, classnames, cfg: TrainConfig, shot
             for g in opt.param_groups:
                 g["lr"] = cosine_lr(step, total, warmup, cfg.lr, cfg.warmup_lr)
             y = labels[idx].to(device)
+            if encode_fn is not None and not adapter.trains_image_tower:
+                x = encode_fn(idx)  # the frozen tower, in the backbone's precision (faithful mode)
             with _autocast(device, cfg.amp):
-                x = encode_fn(idx) if encode_fn is not None else feats[idx].to(device)
+                if encode_fn is None:
+                    x = feats[idx].to(device)
+                elif adapter.trains_image_tower:
+                    x = encode_fn(idx)  # the adapted image tower, with gradients, under autocast
                 logits = adapter(x)
             loss = F.cross_entropy(logits.float(), y)
             opt.zero_grad(set_to_none=True)

@@ -42,7 +42,9 @@ memory is left over in another's numbers:
   peak shows as 0; the table's header says which was used.
 
 s/step is the median over the ``steps=`` steps, each timed on its own (the first step also builds the
-optimiser state; with ``steps`` >= 3 the median leaves it out). Numbers from this script say on what
+optimiser state; with ``steps`` >= 3 the median leaves it out). On a shared machine, ``threads=`` below
+the number of idle cores keeps threads from waiting for each other (with toy-clip on a busy 2-core CPU,
+two threads made a step of milliseconds take a second). Numbers from this script say on what
 machine they were taken (the first line of its output).
 """
 import ctypes

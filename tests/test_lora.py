@@ -108,8 +108,27 @@ def test_towers_layers_and_other_targets():
                                       for m in ("attn__out_proj", "mlp__c_fc", "mlp__c_proj"))
     randomise_b(mlp)
     merged = mlp.merged_state_dict()
-    assert not torch.equal(merged["transformer.resblocks.0.mlp.c_fc.weight"],
-                           bb.model.state_dict()["transformer.resblocks.0.mlp.c_fc.weight"])
+    own = bb.model.state_dict()
+    for key in ("transformer.resblocks.0.mlp.c_fc.weight", "transformer.resblocks.0.attn.out_proj.weight",
+                "visual.transformer.resblocks.0.attn.out_proj.weight"):
+        assert not torch.equal(merged[key], own[key]), key
+    assert torch.equal(merged["transformer.resblocks.0.attn.in_proj_weight"],
+                       own["transformer.resblocks.0.attn.in_proj_weight"])
+
+
+@pytest.mark.parametrize("targets", ["o", "mlp", "o,mlp"])
+def test_targets_without_q_k_v_change_the_outputs_and_train(targets):
+    """nn.MultiheadAttention reads out_proj.weight directly, so an `o` LoRA needs the split attention."""
+    bb = backbone("toy-clip")
+    ad = LoRA(LoRAConfig(targets=targets), bb, NAMES, TEMPLATES)
+    px = pixels(bb)
+    with torch.no_grad():
+        before = ad(ad.encode_images(px))
+    randomise_b(ad, scale=0.1)
+    logits = ad(ad.encode_images(px))
+    assert (logits - before).abs().max() > 1e-3
+    F.cross_entropy(logits, torch.tensor([0, 1, 2])).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in ad.trainable_parameters())
 
 
 @pytest.mark.parametrize("kwargs, field", [({"rank": 0}, "adapter.rank"), ({"alpha": 0}, "adapter.alpha"),
