@@ -103,8 +103,12 @@ class LocalAttentionConfig:
 
     text: TextWindowConfig = field(default_factory=TextWindowConfig)
     vision: VisionWindowConfig = field(default_factory=VisionWindowConfig)
-    # "auto": FlexAttention block masks on CUDA when available, additive masks otherwise.
+    # "auto": compiled FlexAttention where its block mask skips at least half the blocks of a sequence of
+    # 128+ tokens (and, on the CPU, no gradient flows through the attention), additive masks otherwise;
+    # "mask" or "flex" to force one.
     impl: str = "auto"
+    # impl=flex: compile it (true) or run it eagerly (false: every score is computed; for checking).
+    flex_compile: bool = True
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLS:
@@ -214,8 +218,10 @@ def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class _MaskCache:
     """Additive masks and flex block masks per (length, dtype/kind, device), built on first use."""
 
-    def __init__(self, window: Window):
+    def __init__(self, window: Window, compile_flex: bool = True):
         self.window = window
+        # impl=flex: compiled (torch.compile) or eager (computes every score; for checking the mask_mod)
+        self.compile_flex = compile_flex
         self._store: Dict[Tuple, Any] = {}
 
     def additive(self, L: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -224,13 +230,14 @@ class _MaskCache:
             self._store[key] = additive(self.window.allowed(L, device=device), dtype)
         return self._store[key]
 
-    def flex_skips_enough(self, L: int, device, min_skipped: float = 25.0) -> bool:
-        """Whether the block mask skips at least ``min_skipped`` percent of the 128x128 blocks at length L.
-        Below that (short sequences: 77 or 197 tokens are 1 or 4 blocks, all touched) flex saves nothing
-        and ``impl=auto`` keeps the SDPA mask path."""
+    def flex_skips_enough(self, L: int, device, min_skipped: float = 50.0, min_length: int = 128) -> bool:
+        """Whether flex is worth it at length L: at least ``min_length`` tokens and a block mask that skips
+        at least ``min_skipped`` percent of the blocks. Below that (the toy backbones' 20 and 65 tokens,
+        a text tower's 77, a band of 4 on ViT-B-16's 197 tokens on the CPU) the compile time and the
+        partly used blocks cost more than they save, and ``impl=auto`` keeps the SDPA mask path."""
         key = ("skip", L, str(device))
         if key not in self._store:
-            self._store[key] = float(self.block_mask(L, device).sparsity()) >= min_skipped
+            self._store[key] = L >= min_length and float(self.block_mask(L, device).sparsity()) >= min_skipped
         return self._store[key]
 
     def block_mask(self, L: int, device):
@@ -238,19 +245,43 @@ class _MaskCache:
         if key not in self._store:
             from torch.nn.attention.flex_attention import create_block_mask
 
-            self._store[key] = create_block_mask(self.window.mask_mod(), None, None, L, L, device=str(device))
+            self._store[key] = create_block_mask(self.window.mask_mod(), None, None, L, L, device=str(device),
+                                                 BLOCK_SIZE=flex_block_size(device))
         return self._store[key]
 
 
 def flex_available(device: torch.device) -> bool:
+    """FlexAttention compiled for ``device``: CUDA, or the CPU where a C++ compiler exists (inductor's CPU
+    kernels need one)."""
+    import shutil
+
     try:
         from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
     except Exception:
         return False
-    return device.type == "cuda"
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+
+
+def flex_block_size(device) -> int:
+    """Block size of the flex block masks: 128 on CUDA (its kernels' tile), 32 on the CPU, where smaller
+    blocks let a window skip more of the score matrix (measured in scripts/bench_attention.py)."""
+    return 128 if torch.device(device).type == "cuda" else 32
 
 
 _COMPILED_FLEX = None
+
+
+def flex_attention_eager(q, k, v, block_mask):
+    """FlexAttention without compiling: every score is computed (slow); for checking a mask_mod."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    with warnings.catch_warnings():  # eager flex warns that it is unfused; that is the point here
+        warnings.simplefilter("ignore")
+        return flex_attention(q, k, v, block_mask=block_mask)
 
 
 def _flex(q, k, v, block_mask, compiled: bool):
@@ -258,11 +289,7 @@ def _flex(q, k, v, block_mask, compiled: bool):
     from torch.nn.attention.flex_attention import flex_attention
 
     if not compiled:
-        import warnings
-
-        with warnings.catch_warnings():  # eager flex warns that it is unfused; that is the point on the CPU
-            warnings.simplefilter("ignore")
-            return flex_attention(q, k, v, block_mask=block_mask)
+        return flex_attention_eager(q, k, v, block_mask)
     if _COMPILED_FLEX is None:
         import torch._dynamo
 
@@ -308,9 +335,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tower_mask: Option
     if impl == "flex" and not flex_ok:
         raise ValueError("local_attention.impl=flex cannot apply this tower's attention mask (padding or "
                          "non-causal); use impl=mask or auto")
-    if impl == "flex" or (impl == "auto" and flex_ok and flex_available(q.device)
-                          and masks.flex_skips_enough(L, q.device)):
-        return _flex(q, k, v, masks.block_mask(L, q.device), compiled=q.device.type == "cuda")
+    # FlexAttention has no backward on the CPU: training through a windowed tower there takes the mask path.
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    cpu_grad = q.device.type == "cpu" and needs_grad
+    if impl == "flex" and not cpu_grad:
+        return _flex(q, k, v, masks.block_mask(L, q.device), compiled=masks.compile_flex)
+    if (impl == "auto" and flex_ok and not cpu_grad and flex_available(q.device)
+            and masks.flex_skips_enough(L, q.device)):
+        return _flex(q, k, v, masks.block_mask(L, q.device), compiled=True)
     local = masks.additive(L, q.dtype, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=combine_masks(tower_mask, local, H, B))
 
@@ -479,11 +511,12 @@ def _hook_for(masks: _MaskCache, heads: int):
     return hook
 
 
-def _apply(transformer: nn.Module, window: Window, layers: List[int], impl: str, tower: str) -> Dict[str, Any]:
+def _apply(transformer: nn.Module, window: Window, layers: List[int], impl: str, tower: str,
+           compile_flex: bool = True) -> Dict[str, Any]:
     from open_clip.transformer import Attention
 
     blocks = transformer.resblocks
-    masks = _MaskCache(window)  # one cache per tower: every layer uses the same masks
+    masks = _MaskCache(window, compile_flex)  # one cache per tower: every layer uses the same masks
     for i in layers:
         blk = blocks[i]
         attn = blk.attn
@@ -506,12 +539,12 @@ def apply_local_attention(model: nn.Module, cfg: LocalAttentionConfig) -> Dict[s
         transformer, causal = text_tower_parts(model)
         layers = parse_layers(cfg.text.layers, len(transformer.resblocks))
         summary["text"] = _apply(transformer, Window(cfg.text.window, "band", causal=causal), layers, cfg.impl,
-                                 "text")
+                                 "text", cfg.flex_compile)
     if cfg.vision.window is not None:
         transformer, prefix, grid = vision_tower_parts(model)
         layers = parse_layers(cfg.vision.layers, len(transformer.resblocks))
         w = Window(cfg.vision.window, cfg.vision.shape, prefix=prefix, cls=cfg.vision.cls, grid=grid)
-        summary["vision"] = _apply(transformer, w, layers, cfg.impl, "vision")
+        summary["vision"] = _apply(transformer, w, layers, cfg.impl, "vision", cfg.flex_compile)
     if summary:
         summary["impl"] = cfg.impl
     return summary

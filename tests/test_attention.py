@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 
 from fewclip.adapters.coop import CoOp, CoOpConfig
 from fewclip.attention import (LocalAttention, LocalAttentionConfig, SplitAttention, Window, apply_local_attention,
-                               pack_split_state, parse_layers, split_attention)
+                               attend, pack_split_state, parse_layers, split_attention)
 from fewclip.backbones import BackboneConfig, BackboneError, backbone_config_from_dict, build_open_clip_model, \
     load_backbone
 from fewclip.config import ConfigError, load_config
@@ -19,6 +19,7 @@ PROMPTS = ["a photo of a circle.", "a red square on grass", "star"]
 
 
 def load(name="toy-clip", **la):
+    la.setdefault("flex_compile", False)  # impl=flex eagerly: the same mask_mod, no compile time in tests
     return load_backbone(backbone_config_from_dict({"name": name, "device": "cpu", "local_attention": la}))
 
 
@@ -295,3 +296,43 @@ def test_flex_refuses_a_padding_mask():
     # a 2-D mask the window does not know as causal is refused too
     with pytest.raises(ValueError, match="impl=flex"):
         attend(q, q, q, torch.zeros(5, 5), _MaskCache(Window(1)), "flex")
+
+
+def test_auto_picks_compiled_flex_only_where_it_skips_blocks(monkeypatch):
+    import fewclip.attention as A
+
+    calls = []
+
+    def fake_flex(q, k, v, block_mask, compiled):
+        calls.append((q.shape[2], compiled))
+        return A.flex_attention_eager(q, k, v, block_mask)
+
+    monkeypatch.setattr(A, "_flex", fake_flex)
+    monkeypatch.setattr(A, "flex_available", lambda device: True)
+    band4 = A._MaskCache(Window(4, prefix=1))
+    assert not band4.flex_skips_enough(65, "cpu")      # the toy backbones: too short
+    assert band4.flex_skips_enough(577, "cpu")         # ViT-L-14-336: 75% of 32x32 blocks skipped
+    q = torch.randn(1, 2, 577, 16)
+    with torch.no_grad():
+        out = attend(q, q, q, None, band4, "auto")
+    assert calls == [(577, True)]
+    torch.testing.assert_close(out, attend(q, q, q, None, band4, "mask"), rtol=1e-5, atol=1e-5)
+    # training on the CPU (a gradient through q): FlexAttention has no CPU backward, so the mask path
+    qg = q.clone().requires_grad_(True)
+    attend(qg, qg, qg, None, band4, "auto").sum().backward()
+    attend(qg, qg, qg, None, band4, "flex").sum().backward()
+    assert calls == [(577, True)] and qg.grad is not None
+
+
+def test_compiled_flex_on_the_cpu_equals_the_mask_path():
+    """torch.compile of FlexAttention on the CPU (about 10 s of compiling): the kernels that skip blocks."""
+    import fewclip.attention as A
+
+    if not A.flex_available(torch.device("cpu")):
+        pytest.skip("no C++ compiler for inductor's CPU kernels")
+    for w in (Window(2, "grid", prefix=1, grid=(24, 24)), Window(4, prefix=1, cls="local")):
+        masks = A._MaskCache(w)
+        q, k, v = torch.randn(3, 1, 4, 577, 32).unbind(0)
+        with torch.no_grad():
+            torch.testing.assert_close(attend(q, k, v, None, masks, "flex"), attend(q, k, v, None, masks, "mask"),
+                                       rtol=1e-5, atol=1e-5)
