@@ -29,15 +29,15 @@ for each other.
 What to expect. The mask path adds the window to the attention scores as an additive mask
 (0 / -inf): every score is still computed, and the mask is read besides, so it does not get
 faster, on the CPU or anywhere (a ratio >= 1 is expected); it is there to check the windows
-and to run where FlexAttention is not available. The flex path (CUDA, compiled with
-torch.compile at warm-up) skips the 128x128 blocks of the score matrix that the window leaves
-empty, and computes the partly covered ones in full. The ``blocks`` column says how many
-blocks it computes. With 77 tokens (one block) or 197 (two by two, each touched by the
-diagonal or the global class token) nothing can be skipped, so only ViT-L-14-336 can get
-faster (5 x 5 blocks): a band of k <= 32 keeps the 13 blocks on and beside the diagonal, a
-global class token (``cls=global``, the default) 6 more in the first block row and column,
-and a grid of k >= 16 touches every block. On the CPU, ``impl=flex`` runs eagerly and is for
-checking, not for speed. Attention is a small part of a tower's cost at these lengths (the projections and MLPs
+and to run where FlexAttention is not available. The flex path (compiled with torch.compile at
+warm-up, on CUDA and, where a C++ compiler exists, on the CPU) skips the blocks of the score
+matrix that the window leaves empty and computes the partly covered ones in full: 128x128
+blocks on CUDA, 32x32 on the CPU (fewclip.attention.flex_block_size). The ``blocks`` column
+says how many blocks it computes. On CUDA, 77 tokens (one block) or 197 (two by two, each
+touched by the diagonal or the global class token) leave nothing to skip, so only
+ViT-L-14-336 (5 x 5 blocks) can get faster there. FlexAttention has no backward on the CPU,
+so there it serves inference (feature extraction, zero-shot), not training through the
+tower. Attention is a small part of a tower's cost at these lengths (the projections and MLPs
 are the rest), so the tower ratio stays near 1 even where attention itself gets cheaper.
 At small batches on CUDA the attention timing is mostly launch overhead; raise ``batch=``.
 
@@ -56,8 +56,8 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 
 from fewclip.attention import (CLS_MODES, SHAPES, LocalAttentionConfig, TextWindowConfig, VisionWindowConfig,
-                               Window, _heads, _MaskCache, apply_local_attention, attend, text_tower_parts,
-                               vision_tower_parts)
+                               Window, _heads, _MaskCache, apply_local_attention, attend, flex_available,
+                               text_tower_parts, vision_tower_parts)
 from fewclip.backbones import backbone_config_from_dict, load_backbone, resolve_device
 from fewclip.config import as_dict, load_config
 from fewclip.io import atomic_write_json
@@ -241,8 +241,8 @@ def main(argv):
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     dev = resolve_device(cfg.device)
-    impls = (["mask", "flex"] if dev.type == "cuda" else ["mask"]) if cfg.impl == "auto" else split(cfg.impl)
-    if "flex" in impls and dev.type == "cuda":
+    impls = (["mask", "flex"] if flex_available(dev) else ["mask"]) if cfg.impl == "auto" else split(cfg.impl)
+    if "flex" in impls:
         import torch._dynamo as dynamo
 
         # fewclip compiles flex_attention once, with static shapes; every (tokens, window) pair here

@@ -261,16 +261,21 @@ def test_sweep_variants_with_windows_do_not_share_cached_features(tmp_path, shap
     from fewclip.runs import FeatureCache, load_sweep_config, run_sweep
 
     cfg = load_sweep_config([
-        "sweep.backbones=[toy-clip]", "sweep.datasets=[toy-shapes]", "sweep.methods=[zeroshot,zs_w0,coop_w1]",
+        "sweep.backbones=[toy-clip]", "sweep.datasets=[toy-shapes]",
+        "sweep.methods=[zeroshot,zs_w0,coop_w1,lp_w2]",
         "sweep.shots=[1]", "sweep.seeds=[1]",
         "sweep.args=[data.max_test=40,train.epochs=2,backbone.device=cpu,data.templates=single]",
         "sweep.variants.zs_w0=[adapter=zeroshot,backbone.local_attention.vision.window=0,"
         "backbone.local_attention.vision.cls=local]",
         "sweep.variants.coop_w1=[adapter=coop,backbone.local_attention.text.window=1]",
+        "sweep.variants.lp_w2=[adapter=linear_probe,backbone.local_attention.vision.window=2]",
     ])
     counts = run_sweep(cfg, tmp_path)
-    assert counts["ran"] == 3
+    assert counts["ran"] == 4
     import json
+
+    lp = json.loads((tmp_path / "toy-clip/toy-shapes/lp_w2/1shot/seed1/metrics.json").read_text())
+    assert lp["method"] == "lp_w2" and 0 <= lp["top1"] <= 100
 
     zs = json.loads((tmp_path / "toy-clip/toy-shapes/zeroshot/metrics.json").read_text())
     w0 = json.loads((tmp_path / "toy-clip/toy-shapes/zs_w0/metrics.json").read_text())
