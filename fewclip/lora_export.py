@@ -102,6 +102,9 @@ def export_lora(adapter, out: Union[str, Path], *, merge: bool = False, backbone
     from .io import atomic_write, atomic_write_text
 
     out = Path(out)
+    if out.suffix == ".safetensors":
+        raise ExportError(f"-o {out}: a LoRA export is a folder (peft's files, fewclip.json and, with merge=true, "
+                          f"merged.safetensors inside it); give a folder path")
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out} exists and is not a folder; a LoRA export is a folder")
     out.mkdir(parents=True, exist_ok=True)

@@ -247,6 +247,8 @@ def test_export_refuses_another_backbone(lora_run, tmp_path):
     from fewclip.lora_export import export_lora_run
 
     out, _ = lora_run
+    with pytest.raises(ExportError, match="a LoRA export is a folder"):
+        export_lora_run(out, tmp_path / "lora.safetensors")
     folder = export_lora_run(out, tmp_path / "x").path
     with pytest.raises(ExportError, match="another backbone"):
         load_prompts(folder, device="cpu", backbone_overrides={"name": "toy-meru"})
