@@ -22,7 +22,9 @@ tower's own mask), and both timings of every row are also given as a ratio to it
 * tower: a whole forward pass (``encode_image`` on random pixels, ``encode_text`` on
   random tokens) with the window in every layer.
 
-Each timing is the median of ``steps`` calls after ``warmup`` calls, under torch.inference_mode.
+Each timing is the median of ``steps`` calls after ``warmup`` calls, under torch.inference_mode;
+the settings of a tower are timed in interleaved rounds, so drift of the machine does not
+favour the one measured first.
 On a shared machine, ``threads=`` below the number of idle cores keeps threads from waiting
 for each other.
 
@@ -126,20 +128,6 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def timed(fn: Callable, steps: int, warmup: int, device) -> float:
-    """Median seconds per call over ``steps`` calls after ``warmup`` (a shared machine stalls now and then)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 @dataclass
 class Tower:
     """What a benchmark of one tower needs: its shape, its own mask, and how to run it."""
@@ -202,23 +190,43 @@ def bench_tower(tower: Tower, bb, cfg: BenchConfig, impls: List[str], report: Ca
     q, k, v = (_heads(x, H) for x in torch.randn(B, L, 3 * H * d, device=dev, dtype=dtype).chunk(3, dim=-1))
     row = dict(tower=tower.name, arch=TOWERS[tower.name][0], tokens=L, heads=H, head_dim=d, batch=B)
 
-    def run(impl, shape, window, model, masks):
-        t_attn = timed(lambda: attend(q, k, v, tower.mask, masks, impl), cfg.steps, cfg.warmup, dev)
-        t_tower = timed(lambda: tower.forward(model), cfg.steps, cfg.warmup, dev)
-        blocks = None
-        if impl == "flex":
-            blocks = round(100 - masks.block_mask(L, dev).sparsity(), 1)
-        return dict(row, impl=impl, shape=shape, window=window, attention_s=t_attn, tower_s=t_tower,
-                    flex_blocks_pct=blocks)
+    def once(fn) -> float:
+        sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        sync(dev)
+        return time.perf_counter() - t0
 
-    full = run("sdpa", None, None, bb.model, None)
-    full.update(attention_ratio=1.0, tower_ratio=1.0)
-    report(full)
+    # Every setting is built and warmed up first (flex compiles there), then timed in interleaved
+    # rounds: one attention call and one tower call of each setting per round. A machine that
+    # speeds up or slows down during the run then moves every setting alike, not the first one only.
+    settings = [dict(row, impl="sdpa", shape=None, window=None, model=bb.model, masks=None)]
     shapes = split(cfg.shapes) if tower.kind == "vision" else ["band"]
     for impl, shape, w in itertools.product(impls, shapes, [int(x) for x in split(cfg.windows)]):
-        model = with_window(bb.model, tower, w, shape, cfg.cls, impl)
-        r = run(impl, shape, w, model, _MaskCache(tower.make_window(w, shape)))
-        del model
+        settings.append(dict(row, impl=impl, shape=shape, window=w, model=with_window(bb.model, tower, w, shape,
+                                                                                      cfg.cls, impl),
+                             masks=_MaskCache(tower.make_window(w, shape))))
+    calls = []
+    for st in settings:
+        impl = "mask" if st["impl"] == "sdpa" else st["impl"]
+        attn = (lambda st=st, impl=impl: attend(q, k, v, tower.mask, st["masks"], impl))
+        fwd = (lambda st=st: tower.forward(st["model"]))
+        for _ in range(cfg.warmup):
+            attn()
+            fwd()
+        calls.append((attn, fwd, [], []))
+    for _ in range(cfg.steps):
+        for attn, fwd, ta, tt in calls:
+            ta.append(once(attn))
+            tt.append(once(fwd))
+    full = None
+    for st, (_, _, ta, tt) in zip(settings, calls):
+        r = {key: val for key, val in st.items() if key not in ("model", "masks")}
+        r.update(attention_s=statistics.median(ta), tower_s=statistics.median(tt), flex_blocks_pct=None)
+        if st["impl"] == "flex":
+            r["flex_blocks_pct"] = round(100 - float(st["masks"].block_mask(L, dev).sparsity()), 1)
+        if full is None:
+            full = r
         r.update(attention_ratio=r["attention_s"] / full["attention_s"], tower_ratio=r["tower_s"] / full["tower_s"])
         report(r)
 
