@@ -204,11 +204,6 @@ class Window:
         return self.mask_mod(with_causal=False)(None, None, i[:, None], i[None, :])
 
 
-def band_allowed(L: int, k: int) -> torch.Tensor:
-    """[L, L] bool: |i - j| <= k."""
-    return Window(k).allowed(L)
-
-
 def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where allowed, -inf elsewhere."""
     out = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)

@@ -341,3 +341,18 @@ def test_compiled_flex_on_the_cpu_equals_the_mask_path():
         with torch.no_grad():
             torch.testing.assert_close(attend(q, k, v, None, masks, "flex"), attend(q, k, v, None, masks, "mask"),
                                        rtol=1e-5, atol=1e-5)
+
+
+def test_exported_prompts_rebuild_the_windowed_backbone(tmp_path):
+    from fewclip.export import export_prompts, load_prompts
+
+    cfg = backbone_config_from_dict({"name": "toy-clip", "device": "cpu", "local_attention": {
+        "text": {"window": 2}, "vision": {"window": 1, "shape": "grid"}}})
+    bb = load_backbone(cfg)
+    ad = CoOp(CoOpConfig(ctx_init="a photo of a"), bb, SHAPES)
+    export_prompts(ad, tmp_path / "p.safetensors", backbone_cfg=cfg)
+    clf = load_prompts(tmp_path / "p.safetensors", device="cpu")
+    assert clf.backbone.local_attention == bb.local_attention
+    x = pixels()
+    with torch.no_grad():
+        torch.testing.assert_close(clf.logits(x), ad(bb.encode_images(x)), rtol=1e-5, atol=1e-5)
