@@ -161,6 +161,9 @@ def cmd_adapters(args: Sequence[str]) -> int:
         print(f"{name}: {doc[0] if doc else ''}")
         defaults = {k: v for k, v in asdict(info.config_cls()).items() if k != "name"}
         print("  " + " ".join(f"adapter.{k}={v}" for k, v in defaults.items()))
+        train = getattr(info.adapter_cls, "train_defaults", {})
+        if train:
+            print("  its own training defaults: " + " ".join(f"train.{k}={v}" for k, v in train.items()))
     return 0
 
 
