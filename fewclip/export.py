@@ -169,6 +169,31 @@ def prompt_tensors(adapter) -> Dict[str, torch.Tensor]:
     }
 
 
+def backbone_metadata(bb, backbone_cfg=None) -> Dict[str, Any]:
+    """The metadata every export carries about its backbone: identity, geometry, preprocessing, tokenizer."""
+    return {
+        "backbone": backbone_identity(bb, backbone_cfg),
+        "geometry": {"name": bb.geometry.name, "params": bb.geometry.params()},
+        "preprocess": {"image_size": bb.image_size, "mean": list(bb.mean), "std": list(bb.std)},
+        "tokenizer": bb.tokenizer_spec,
+    }
+
+
+def backbone_from_metadata(meta: Dict[str, Any], path, device: str,
+                           backbone_overrides: Optional[Dict[str, Any]] = None):
+    """Load the backbone an export names (its stored config section, with overrides)."""
+    from .backbones import backbone_config_from_dict, load_backbone
+
+    stored = dict(meta["backbone"].get("config") or {"name": meta["backbone"]["name"]})
+    stored.update(backbone_overrides or {})
+    stored["device"] = device
+    try:
+        cfg = backbone_config_from_dict(stored)
+    except (TypeError, ValueError) as e:
+        raise ExportError(f"{path}: cannot make a backbone config from {stored}: {e}") from None
+    return load_backbone(cfg)
+
+
 def prompt_metadata(adapter, *, backbone_cfg=None, run: Optional[Dict[str, Any]] = None,
                     nearest_k: int = 3) -> Dict[str, Any]:
     """The JSON metadata of a prompt file for a CoOp adapter (see the module docstring for the keys)."""
@@ -181,10 +206,7 @@ def prompt_metadata(adapter, *, backbone_cfg=None, run: Optional[Dict[str, Any]]
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "fewclip_version": __version__,
-        "backbone": backbone_identity(bb, backbone_cfg),
-        "geometry": {"name": bb.geometry.name, "params": bb.geometry.params()},
-        "preprocess": {"image_size": bb.image_size, "mean": list(bb.mean), "std": list(bb.std)},
-        "tokenizer": bb.tokenizer_spec,
+        **backbone_metadata(bb, backbone_cfg),
         "classnames": list(adapter.classnames),
         "prompt": {"class_token_position": cfg.class_token_position, "n_ctx": int(adapter.n_ctx),
                    "csc": bool(cfg.csc), "ctx_init": cfg.ctx_init},
@@ -541,7 +563,6 @@ def load_prompts(path: Union[str, Path], device: str = "auto", *, backbone=None,
     ``backbone_overrides`` changes fields of the stored backbone config, e.g.
     ``{"name": "path/to/card.yaml"}`` when the card has moved.
     """
-    from .backbones import backbone_config_from_dict, load_backbone
     from .lora_export import is_lora_export, load_lora_export
 
     path = Path(path)
@@ -549,13 +570,6 @@ def load_prompts(path: Union[str, Path], device: str = "auto", *, backbone=None,
         return load_lora_export(path, device, backbone=backbone, backbone_overrides=backbone_overrides)
     tensors, meta = read_prompts(path)
     if backbone is None:
-        stored = dict(meta["backbone"].get("config") or {"name": meta["backbone"]["name"]})
-        stored.update(backbone_overrides or {})
-        stored["device"] = device
-        try:
-            cfg = backbone_config_from_dict(stored)
-        except (TypeError, ValueError) as e:
-            raise ExportError(f"prompt file {path}: cannot make a backbone config from {stored}: {e}") from None
-        backbone = load_backbone(cfg)
+        backbone = backbone_from_metadata(meta, f"prompt file {path}", device, backbone_overrides)
     check_backbone(meta, backbone, path)
     return PromptClassifier(backbone, tensors, meta, path)

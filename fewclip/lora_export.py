@@ -41,7 +41,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 
 import torch
 
-from .export import ExportError, Exported, PromptClassifier, backbone_identity, check_backbone
+from .export import ExportError, Exported, PromptClassifier, backbone_from_metadata, backbone_metadata, check_backbone
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +80,7 @@ def lora_metadata(adapter, *, backbone_cfg=None, run: Optional[Dict[str, Any]] =
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "fewclip_version": __version__,
-        "backbone": backbone_identity(bb, backbone_cfg),
-        "geometry": {"name": bb.geometry.name, "params": bb.geometry.params()},
-        "preprocess": {"image_size": bb.image_size, "mean": list(bb.mean), "std": list(bb.std)},
-        "tokenizer": bb.tokenizer_spec,
+        **backbone_metadata(bb, backbone_cfg),
         "classnames": list(adapter.classnames),
         "templates": list(adapter.templates),
         "lora": asdict(adapter.cfg),
@@ -254,21 +251,14 @@ def load_lora_export(path: Union[str, Path], device: str = "auto", *, backbone=N
 
     from fewclip.adapters.lora import LoRA, LoRAConfig
 
-    from .backbones import BackboneError, backbone_config_from_dict, load_backbone, load_state_dict_strict
+    from .backbones import BackboneError, load_state_dict_strict
 
     path = Path(path)
     if not path.exists():
         raise ExportError(f"LoRA export not found: {path}")
     meta = _read_meta(path)
     if backbone is None:
-        stored = dict(meta["backbone"].get("config") or {"name": meta["backbone"]["name"]})
-        stored.update(backbone_overrides or {})
-        stored["device"] = device
-        try:
-            cfg = backbone_config_from_dict(stored)
-        except (TypeError, ValueError) as e:
-            raise ExportError(f"{path}: cannot make a backbone config from {stored}: {e}") from None
-        backbone = load_backbone(cfg)
+        backbone = backbone_from_metadata(meta, path, device, backbone_overrides)
     else:
         backbone = copy.deepcopy(backbone)
     check_backbone(meta, backbone, path)
