@@ -19,7 +19,7 @@ Two kinds of training exist:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Type
+from typing import Dict, List, Sequence, Type
 
 import torch
 import torch.nn as nn

@@ -41,6 +41,7 @@ back into open_clip's packed names.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -256,16 +257,20 @@ class _MaskCache:
 
 def flex_available(device: torch.device) -> bool:
     """FlexAttention compiled for ``device``: CUDA, or the CPU where a C++ compiler exists (inductor's CPU
-    kernels need one)."""
+    kernels need one). Asked on every windowed attention call, so answered once per device type."""
+    return _flex_available(torch.device(device).type)
+
+
+@functools.lru_cache(maxsize=None)
+def _flex_available(device_type: str) -> bool:
+    import importlib.util
     import shutil
 
-    try:
-        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
-    except Exception:
+    if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
         return False
-    if device.type == "cuda":
+    if device_type == "cuda":
         return True
-    return device.type == "cpu" and any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+    return device_type == "cpu" and any(shutil.which(c) for c in ("g++", "c++", "clang++"))
 
 
 def flex_block_size(device) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Sequence
 
 from . import __version__
 from .config import ConfigError, RunConfig, load_config, to_yaml
@@ -196,30 +196,15 @@ def cmd_export(args: Sequence[str]) -> int:
         raise ConfigError(f"nearest must be >= 1, got {nearest}")
     if opts["merge"] not in ("true", "false"):
         raise ConfigError(f"merge must be true or false, got {opts['merge']!r}")
-    if _run_adapter(paths[0]) == "lora":
-        from .lora_export import export_lora_run, summary as lora_summary
+    done = export_run(paths[0], opts["out"], nearest_k=nearest, merge=opts["merge"] == "true",
+                      device=opts["backbone.device"])
+    if done.meta["format"] == "fewclip.lora":
+        from .lora_export import summary as lora_summary
 
-        done = export_lora_run(paths[0], opts["out"], merge=opts["merge"] == "true", device=opts["backbone.device"])
         print(f"exported LoRA run {paths[0]}\n" + lora_summary(done.path, done.meta))
-        return 0
-    if opts["merge"] == "true":
-        raise ConfigError("merge=true applies to LoRA runs (it folds the low-rank updates into the weights)")
-    done = export_run(paths[0], opts["out"], nearest_k=nearest, device=opts["backbone.device"])
-    print(f"exported CoOp run {paths[0]}\n" + summary(done.path, done.meta))
+    else:
+        print(f"exported CoOp run {paths[0]}\n" + summary(done.path, done.meta))
     return 0
-
-
-def _run_adapter(run_dir: str) -> Optional[str]:
-    """The adapter name in a run directory's config.yaml (None when there is none to read)."""
-    from omegaconf import OmegaConf
-
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        return None
-    try:
-        return str(OmegaConf.load(path).adapter.name)
-    except Exception:
-        return None
 
 
 def cmd_predict(args: Sequence[str]) -> int:

@@ -238,16 +238,15 @@ def fit_adapter(adapter, backbone, dataset, split, cfg: TrainConfig, *, seed: in
             pixels = torch.stack([items[int(i)][0] for i in idx])
             return adapter.encode_images(pixels)
 
-        val = val_features
-        if adapter.trains_image_tower and split.val:
-            def val():
-                with torch.no_grad():
-                    adapter.eval()
-                    out = extract_features(backbone, dataset, split.val, batch_size=batch_size, workers=workers,
-                                           desc="val", encode=adapter.encode_images)
-                    adapter.train()
-                    return out
+        def adapted_val():  # validation features through the adapted image tower, as it is now
+            with torch.no_grad():
+                adapter.eval()
+                out = extract_features(backbone, dataset, split.val, batch_size=batch_size, workers=workers,
+                                       desc="val", encode=adapter.encode_images)
+                adapter.train()
+                return out
 
+        val = adapted_val if (adapter.trains_image_tower and split.val) else val_features
         info = train_gradient(adapter, [(torch.arange(len(labels)), labels)], val, dataset.classnames,
                               cfg, split.shots, seed, encode_fn=encode)
     else:

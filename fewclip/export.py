@@ -247,11 +247,13 @@ class Exported:
 
 
 def export_run(run_dir: Union[str, Path], out: Union[str, Path, None] = None, *, nearest_k: int = 3,
-               device: Optional[str] = None, backbone=None) -> Exported:
-    """Export a finished CoOp run directory to ``out`` (default ``RUN_DIR/prompts.safetensors``).
+               merge: bool = False, device: Optional[str] = None, backbone=None) -> Exported:
+    """Export a finished run directory: a CoOp run as a prompt file (default ``RUN_DIR/prompts.safetensors``),
+    a LoRA run as a folder (default ``RUN_DIR/export``, see ``fewclip.lora_export``; ``merge`` adds the
+    merged open_clip weights).
 
-    The adapter is rebuilt from ``config.yaml``, the class names of
-    ``split.json`` and ``adapter.safetensors``; no dataset files are read.
+    The adapter is rebuilt from ``config.yaml``, the class names of ``split.json``, the templates in
+    ``metrics.json`` and ``adapter.safetensors``; no dataset files are read.
     """
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -271,21 +273,25 @@ def export_run(run_dir: Union[str, Path], out: Union[str, Path, None] = None, *,
         cfg = load_train_config([str(run_dir / "config.yaml")])
     except ConfigError as e:
         raise ExportError(f"cannot read the config of run {run_dir}: {e}") from None
-    if cfg.adapter.name == "lora":
-        raise ExportError(f"run {run_dir} is a LoRA run: export it with fewclip.lora_export.export_lora_run "
-                          f"(`fewclip export` does this for you)")
-    if cfg.adapter.name != "coop":
-        raise ExportError(f"run {run_dir} was trained with adapter {cfg.adapter.name!r}; fewclip export writes "
-                          f"CoOp prompts (learned context vectors) or LoRA weights, and supports adapter=coop and "
-                          f"adapter=lora runs only")
-    for name in ("adapter.safetensors", "split.json", "metrics.json"):
-        if not (run_dir / name).is_file():
-            raise ExportError(f"run {run_dir} is not finished: it has no {name}")
+    name = cfg.adapter.name
+    if name not in ("coop", "lora"):
+        raise ExportError(f"run {run_dir} was trained with adapter {name!r}; fewclip export writes CoOp prompts "
+                          f"(learned context vectors) or LoRA weights, and supports adapter=coop and adapter=lora "
+                          f"runs only")
+    if merge and name != "lora":
+        raise ExportError("merge=true applies to LoRA runs (it folds the low-rank updates into the weights)")
+    for f in ("adapter.safetensors", "split.json", "metrics.json"):
+        if not (run_dir / f).is_file():
+            raise ExportError(f"run {run_dir} is not finished: it has no {f}")
     try:
         split = read_split(run_dir / "split.json")
     except DatasetError as e:
         raise ExportError(str(e)) from None
     metrics = read_json(run_dir / "metrics.json")
+    templates = metrics.get("templates") or []
+    if name == "lora" and not templates:
+        raise ExportError(f"run {run_dir}: metrics.json does not list the prompt templates the run used; "
+                          f"re-run it with this version of fewclip")
     if device is not None:
         cfg.backbone.device = device
     backbone = backbone or load_backbone(cfg.backbone)
@@ -299,17 +305,22 @@ def export_run(run_dir: Union[str, Path], out: Union[str, Path, None] = None, *,
         raise ExportError(f"cannot read {weights}: {e}") from None
     if trained_on and backbone.weights_sha256 and trained_on != backbone.weights_sha256:
         raise ExportError(f"run {run_dir} was trained on backbone weights with sha256 {trained_on[:16]}... but "
-                          f"{backbone.name!r} now loads {backbone.weights_sha256[:16]}...; its context fits the old "
-                          f"weights only")
+                          f"{backbone.name!r} now loads {backbone.weights_sha256[:16]}...; what it learned fits the "
+                          f"old weights only")
     with torch.random.fork_rng(devices=[]):  # a random init must not move the caller's RNG
-        adapter = build_adapter(cfg.adapter, backbone, split.classnames, [])
+        adapter = build_adapter(cfg.adapter, backbone, split.classnames, templates)
     try:
         adapter.load_adapter_state_dict(sd)
     except RuntimeError as e:
-        raise ExportError(f"{weights} does not match the run's CoOp config: {e}") from None
+        raise ExportError(f"{weights} does not match the run's {name} config: {e}") from None
 
     run = {"dir": str(run_dir), "dataset": split.dataset or cfg.data.name, "shots": cfg.shots, "seed": cfg.seed,
            "top1": metrics.get("top1")}
+    if name == "lora":
+        from .lora_export import export_lora
+
+        return export_lora(adapter, out if out is not None else run_dir / "export", merge=merge,
+                           backbone_cfg=cfg.backbone, run=run)
     out = Path(out) if out is not None else run_dir / "prompts.safetensors"
     meta = export_prompts(adapter, out, backbone_cfg=cfg.backbone, run=run, nearest_k=nearest_k)
     return Exported(out, meta)

@@ -1,6 +1,6 @@
 """Exported LoRA runs: peft's own format plus fewclip's metadata, or one merged open_clip state dict.
 
-``fewclip export RUN_DIR`` on a LoRA run writes a folder::
+``fewclip export RUN_DIR`` (``fewclip.export.export_run``) on a LoRA run writes a folder::
 
     RUN_DIR/export/
       adapter_model.safetensors   the LoRA A/B matrices, peft's key names
@@ -37,7 +37,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
 
@@ -118,51 +118,6 @@ def export_lora(adapter, out: Union[str, Path], *, merge: bool = False, backbone
         atomic_write(out / MERGED_FILE, lambda tmp: save_file(sd, tmp, metadata={"fewclip": json.dumps(meta)}))
     atomic_write_text(out / META_FILE, json.dumps(meta, indent=2))
     return Exported(out, meta)
-
-
-def export_lora_run(run_dir: Union[str, Path], out: Union[str, Path, None] = None, *, merge: bool = False,
-                    device: Optional[str] = None, backbone=None) -> Exported:
-    """Export a finished LoRA run directory (default folder ``RUN_DIR/export``)."""
-    from safetensors.torch import load_file
-
-    from fewclip.adapters import build_adapter
-    from fewclip.datasets import DatasetError, read_split
-
-    from .backbones import load_backbone
-    from .io import read_json
-    from .runs import load_train_config
-
-    run_dir = Path(run_dir)
-    cfg = load_train_config([str(run_dir / "config.yaml")])
-    for name in ("adapter.safetensors", "split.json", "metrics.json"):
-        if not (run_dir / name).is_file():
-            raise ExportError(f"run {run_dir} is not finished: it has no {name}")
-    try:
-        split = read_split(run_dir / "split.json")
-    except DatasetError as e:
-        raise ExportError(str(e)) from None
-    metrics = read_json(run_dir / "metrics.json")
-    templates = metrics.get("templates")
-    if not templates:
-        raise ExportError(f"run {run_dir}: metrics.json does not list the prompt templates the run used; "
-                          f"re-run it with this version of fewclip")
-    if device is not None:
-        cfg.backbone.device = device
-    backbone = backbone or load_backbone(cfg.backbone)
-    trained_on = metrics.get("backbone_weights_sha256")
-    if trained_on and backbone.weights_sha256 and trained_on != backbone.weights_sha256:
-        raise ExportError(f"run {run_dir} was trained on backbone weights with sha256 {trained_on[:16]}... but "
-                          f"{backbone.name!r} now loads {backbone.weights_sha256[:16]}...")
-    adapter = build_adapter(cfg.adapter, backbone, split.classnames, templates)
-    try:
-        adapter.load_adapter_state_dict(load_file(str(run_dir / "adapter.safetensors")))
-    except RuntimeError as e:
-        raise ExportError(f"{run_dir / 'adapter.safetensors'} does not match the run's LoRA config: {e}") from None
-    adapter.eval()
-    run = {"dir": str(run_dir), "dataset": split.dataset or cfg.data.name, "shots": cfg.shots, "seed": cfg.seed,
-           "top1": metrics.get("top1")}
-    return export_lora(adapter, out if out is not None else run_dir / "export", merge=merge,
-                       backbone_cfg=cfg.backbone, run=run)
 
 
 def summary(path: Union[str, Path], meta: Dict[str, Any]) -> str:

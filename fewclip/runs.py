@@ -9,7 +9,6 @@ finished runs, so an interrupted sweep resumes where it stopped.
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -20,11 +19,11 @@ from omegaconf import OmegaConf
 from fewclip.adapters import AdapterConfig, adapter_info, build_adapter
 from fewclip.datasets import build_dataset, make_few_shot_split, write_split
 
-from .backbones import Backbone, BackboneConfig, load_backbone
+from .backbones import Backbone, load_backbone
 from .config import ConfigError, RunConfig, compose, load_config, split_args, to_object, to_yaml
 from .engine import TrainConfig, _autocast, evaluate, fit_adapter
 from .features import extract_features
-from .io import atomic_write, atomic_write_json, read_json
+from .io import atomic_write, atomic_write_json
 from .zeroshot import evaluate_zeroshot, test_items
 
 log = logging.getLogger(__name__)
@@ -153,7 +152,6 @@ def run_train(cfg: TrainRunConfig, out: Path, *, backbone: Optional[Backbone] = 
         "seed": cfg.seed,
         "trainable_parameters": int(sum(v.numel() for v in sd.values())),
         "templates": list(adapter.templates),
-        "backbone_weights_sha256": backbone.weights_sha256,
         **info,
     })
     atomic_write_json(out / "metrics.json", metrics)

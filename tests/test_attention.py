@@ -258,7 +258,7 @@ def test_backbone_config_round_trips_through_yaml():
 
 
 def test_sweep_variants_with_windows_do_not_share_cached_features(tmp_path, shapes):
-    from fewclip.runs import FeatureCache, load_sweep_config, run_sweep
+    from fewclip.runs import load_sweep_config, run_sweep
 
     cfg = load_sweep_config([
         "sweep.backbones=[toy-clip]", "sweep.datasets=[toy-shapes]",
@@ -284,7 +284,6 @@ def test_sweep_variants_with_windows_do_not_share_cached_features(tmp_path, shap
     assert w0["backbone_info"]["local_attention"]["vision"]["window"] == 0
     assert w0["top1"] == pytest.approx(100 / 8, abs=0.01) and zs["top1"] > 50
     assert zs["backbone_info"]["local_attention"] is None and coop["n_test"] == 40
-    del FeatureCache
 
 
 def test_flex_refuses_a_padding_mask():

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from fewclip.adapters import build_adapter
 from fewclip.adapters.lora import LoRA, LoRAConfig
 from fewclip.attention import SplitAttention
-from fewclip.backbones import BackboneConfig, backbone_config_from_dict, build_open_clip_model, load_backbone
+from fewclip.backbones import backbone_config_from_dict, build_open_clip_model, load_backbone
 from fewclip.config import ConfigError
 from fewclip.engine import TrainConfig, total_steps
 from fewclip.export import load_prompts
@@ -190,10 +190,10 @@ def test_a_run_trains_and_tests_through_the_adapted_image_tower(lora_run):
 
 def test_export_both_formats_and_predict(lora_run, tmp_path, shapes):
     from fewclip.cli import main
-    from fewclip.lora_export import export_lora_run
+    from fewclip.export import export_run
 
     out, m = lora_run
-    exported = export_lora_run(out, tmp_path / "export", merge=True)
+    exported = export_run(out, tmp_path / "export", merge=True)
     folder = exported.path
     assert {p.name for p in folder.iterdir()} >= {"adapter_model.safetensors", "adapter_config.json", "fewclip.json",
                                                  "merged.safetensors"}
@@ -212,8 +212,6 @@ def test_export_both_formats_and_predict(lora_run, tmp_path, shapes):
     plain.load_state_dict(merged, strict=True)
 
     images = shapes.items("test")[:6]
-    from fewclip.features import extract_features
-
     a = load_prompts(folder, device="cpu")
     b = load_prompts(folder / "merged.safetensors", device="cpu")
     px = torch.stack([a.backbone.preprocess()(shapes.load_image(it)) for it in images])
@@ -239,16 +237,15 @@ def test_export_both_formats_and_predict(lora_run, tmp_path, shapes):
     assert main(["export", str(out), "-o", str(tmp_path / "e2")]) == 0
     assert (tmp_path / "e2" / "adapter_model.safetensors").is_file()
     assert not (tmp_path / "e2" / "merged.safetensors").exists()
-    del extract_features
 
 
 def test_export_refuses_another_backbone(lora_run, tmp_path):
     from fewclip.export import ExportError
-    from fewclip.lora_export import export_lora_run
+    from fewclip.export import export_run
 
     out, _ = lora_run
     with pytest.raises(ExportError, match="a LoRA export is a folder"):
-        export_lora_run(out, tmp_path / "lora.safetensors")
-    folder = export_lora_run(out, tmp_path / "x").path
+        export_run(out, tmp_path / "lora.safetensors")
+    folder = export_run(out, tmp_path / "x").path
     with pytest.raises(ExportError, match="another backbone"):
         load_prompts(folder, device="cpu", backbone_overrides={"name": "toy-meru"})
