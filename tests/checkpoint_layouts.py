@@ -2,7 +2,8 @@
 
 Used by the import tests and, at development time, by the scripts that ran the authors' own
 code on the same files to record ``tests/fixtures/import_*.json`` (their code is not in
-this repository and not needed by the tests). Depends on torch, numpy and PIL only.
+this repository and not needed by the tests). Depends on torch, numpy and PIL (``openai_archive``
+also on open_clip).
 
 - MERU / HyCoCLIP (facebookresearch/meru ``CheckpointManager``): ``{"model": state_dict,
   "optimizer", "scheduler", "scaler", "iteration"}``; timm ViT keys under ``visual.``, MERU's
@@ -174,3 +175,26 @@ def open_clip_train_checkpoint(sd: Dict[str, torch.Tensor], name: str = "run", e
 def tiny_openai_fp16(seed: int = 0) -> "OrderedDict[str, torch.Tensor]":
     """tiny_clip's OpenAI-layout state dict in float16 (OpenAI's files are float16)."""
     return OrderedDict((k, v.half()) for k, v in tiny_openai_state_dict(seed).items())
+
+
+def openai_archive(path, seed: int = 0) -> None:
+    """A TorchScript archive in OpenAI's layout: a traced QuickGELU CLIP in float16 with OpenAI's key names and the
+    ``input_resolution`` / ``context_length`` / ``vocab_size`` buffers of their published files (built with
+    open_clip, which uses OpenAI's names)."""
+    import warnings
+
+    import open_clip
+
+    sd = tiny_openai_fp16(seed)
+    model = open_clip.model.build_model_from_openai_state_dict({k: v.clone() for k, v in sd.items()}).float().eval()
+    model.load_state_dict({k: v.float() for k, v in sd.items()})
+    for k, v in (("input_resolution", 32), ("context_length", 77), ("vocab_size", 49408)):
+        if hasattr(model, k):
+            delattr(model, k)
+        model.register_buffer(k, torch.tensor(v))
+    tokens = open_clip.tokenizer.SimpleTokenizer()(["a photo"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced = torch.jit.trace_module(model, {"encode_image": torch.randn(1, 3, 32, 32), "encode_text": tokens},
+                                        check_trace=False)
+        traced.half().save(str(path))

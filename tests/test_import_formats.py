@@ -9,7 +9,6 @@ against open_clip itself, which is installed.
 """
 import json
 import math
-import warnings
 from pathlib import Path
 
 import open_clip
@@ -18,9 +17,9 @@ import torch
 from safetensors.torch import load_file
 
 from checkpoint_layouts import (CLASSNAMES, MERU_IMPORT_OPTIONS, TEMPLATES, euclip_model_config, meru_checkpoint,
-                                open_clip_train_checkpoint, tiny_euclip_state_dict, tiny_images, tiny_meru_state_dict,
-                                tiny_openai_fp16)
-from fewclip.backbones import BackboneConfig, BackboneError, load_backbone
+                                open_clip_train_checkpoint, openai_archive, tiny_euclip_state_dict, tiny_images,
+                                tiny_meru_state_dict, tiny_openai_fp16)
+from fewclip.backbones import BackboneError
 from fewclip.cli import main
 from fewclip.features import text_prototypes
 from fewclip.formats import FORMATS, CheckpointImportError, import_checkpoint
@@ -207,24 +206,6 @@ def test_euclip_model_names():
 
 
 # ---------------------------------------------------------------- OpenAI
-
-
-def openai_archive(path: Path) -> None:
-    """A TorchScript archive in OpenAI's layout: a traced QuickGELU CLIP in float16 with OpenAI's key names and
-    the input_resolution / context_length / vocab_size buffers of their published files."""
-    sd = tiny_openai_fp16(0)
-    model = open_clip.model.build_model_from_openai_state_dict({k: v.clone() for k, v in sd.items()}).float().eval()
-    model.load_state_dict({k: v.float() for k, v in sd.items()})
-    for k, v in (("input_resolution", 32), ("context_length", 77), ("vocab_size", 49408)):
-        if hasattr(model, k):
-            delattr(model, k)
-        model.register_buffer(k, torch.tensor(v))
-    tokens = open_clip.tokenizer.SimpleTokenizer()(["a photo"])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        traced = torch.jit.trace_module(model, {"encode_image": torch.randn(1, 3, 32, 32), "encode_text": tokens},
-                                        check_trace=False)
-        traced.half().save(str(path))
 
 
 @pytest.mark.parametrize("kind", ["torchscript", "state_dict"])

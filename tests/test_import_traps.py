@@ -12,7 +12,7 @@ import open_clip
 import pytest
 import torch
 from omegaconf import OmegaConf
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from checkpoint_layouts import meru_checkpoint, open_clip_train_checkpoint, tiny_euclip_state_dict, tiny_meru_state_dict
 from fewclip.backbones import (BackboneConfig, BackboneError, build_open_clip_model, load_backbone, load_weights_file,
