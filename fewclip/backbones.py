@@ -701,6 +701,18 @@ def _geometry_for_open_clip(model: nn.Module, override: Optional[str]) -> Geomet
         raise BackboneError(f"backbone.geometry: {e}") from None
 
 
+def published_image_stats(arch: str, mean: Sequence[float], std: Sequence[float]) -> List[str]:
+    """open_clip's published weights of ``arch`` whose image mean/std differ from ``mean``/``std`` ("tag: ...")."""
+    import open_clip
+
+    others = []
+    for tag in open_clip.list_pretrained_tags_by_model(arch):
+        p = open_clip.get_pretrained_cfg(arch, tag)
+        if tuple(p.get("mean", mean)) != tuple(mean) or tuple(p.get("std", std)) != tuple(std):
+            others.append(f"{tag}: mean {list(p.get('mean'))} std {list(p.get('std'))}")
+    return sorted(others)
+
+
 def _check_open_clip_file(arch: str, sd: Dict[str, torch.Tensor], path: Path) -> Dict[str, torch.Tensor]:
     """Refuse files whose layout says they need more than an open_clip architecture name."""
     if any(k in sd for k in EUCLIP_GEOMETRY_KEYS):
@@ -740,6 +752,13 @@ def load_open_clip(cfg: BackboneConfig) -> Backbone:
         source = f"open_clip:{arch} (random init)"
     elif Path(pretrained).exists():
         p = Path(pretrained)
+        pre = (get_model_config(arch) or {}).get("preprocess_cfg") or {}
+        others = published_image_stats(arch, pre.get("mean", OPENAI_MEAN), pre.get("std", OPENAI_STD))
+        if others:  # a file does not say which weights it holds, so not which image statistics they need
+            raise BackboneError(
+                f"open_clip's published weights for {arch} use other image statistics ({'; '.join(others)}) than its "
+                f"config, and a local file does not say which it was trained with. Import it with them: fewclip "
+                f"import open_clip {p} model={arch} mean=R,G,B std=R,G,B out=DIR, then backbone=DIR")
         sd = _check_open_clip_file(arch, load_weights_file(p), p)
         model = open_clip.create_model(arch, pretrained=None)
         try:

@@ -77,7 +77,9 @@ def cmd_backbones(args: Sequence[str]) -> int:
     print(_table(shown, ["name", "geometry", "weights"]))
     if not show_all:
         print(f"... {len(oc)} architectures in all; `fewclip backbones --all` lists every one.")
-    print("\nA backbone card (a YAML file) describes any other checkpoint: backbone=path/to/card.yaml")
+    print("\nA backbone card (a YAML file) describes any other checkpoint: backbone=path/to/card.yaml;\n"
+          "`fewclip import` makes a card folder from MERU, HyCoCLIP, EuCLIP, OpenAI and open_clip checkpoints: "
+          "backbone=DIR")
     return 0
 
 

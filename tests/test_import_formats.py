@@ -276,3 +276,15 @@ def test_import_command_writes_a_card_folder_that_every_command_takes(tmp_path, 
     assert "does not take ['heads']" in capsys.readouterr().err
     assert main(args[:3]) == 2 and "out=DIR is required" in capsys.readouterr().err
     assert main(["import"]) == 0 and "euclip" in capsys.readouterr().out
+
+
+def test_open_clip_image_statistics_are_asked_for_where_published_weights_differ():
+    from fewclip.formats.open_clip import preprocess
+
+    with pytest.raises(CheckpointImportError, match=r"ViT-B-16-SigLIP use other image statistics.*mean=R,G,B"):
+        preprocess({}, {}, "ViT-B-16-SigLIP")
+    pre, _ = preprocess({}, {"mean": "0.5,0.5,0.5", "std": "0.5,0.5,0.5"}, "ViT-B-16-SigLIP")
+    assert pre == {"mean": [0.5] * 3, "std": [0.5] * 3}
+    with pytest.raises(CheckpointImportError, match="three comma-separated numbers"):
+        preprocess({}, {"mean": "0.5,0.5", "std": "a,b,c"}, "ViT-B-16-SigLIP")
+    assert preprocess({}, {}, "ViT-B-32")[0]["mean"] == list(open_clip.OPENAI_DATASET_MEAN)  # every tag agrees

@@ -164,3 +164,12 @@ def test_import_saves_the_tokenizer_in_the_card_folder(tmp_path, monkeypatch, to
     assert bb.geometry.params() == pytest.approx({"logit_scale": 11.0, "logit_bias": -5.0}, rel=1e-6)
     again = load_backbone(BackboneConfig(name=str(tmp_path / "card"), device="cpu"))  # no backbone.tokenizer needed
     assert torch.equal(again.tokenize(["a red car"]), bb.tokenize(["a red car"]))
+
+
+def test_siglip_weights_from_a_file_need_their_image_statistics(tmp_path, tokenizer_dir):
+    """open_clip's SigLIP weights use mean/std 0.5, its config says nothing: a local file is ambiguous."""
+    (tmp_path / "open_clip_model.safetensors").write_bytes(b"")
+    with pytest.raises(BackboneError, match=r"ViT-B-16-SigLIP use other image statistics.*webli.*fewclip import "
+                                            r"open_clip .* mean=R,G,B std=R,G,B"):
+        load_backbone(BackboneConfig(name="ViT-B-16-SigLIP", pretrained=str(tmp_path / "open_clip_model.safetensors"),
+                                     tokenizer=str(tokenizer_dir), device="cpu"))

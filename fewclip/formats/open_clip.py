@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..backbones import (EUCLIP_GEOMETRY_KEYS, OPENAI_EXTRA_KEYS, OPENAI_MEAN, OPENAI_STD, BackboneError,
-                         model_tokenizer, read_checkpoint)
+                         model_tokenizer, published_image_stats, read_checkpoint)
 from . import CheckpointImportError, Format, Imported, register_format
 
 
@@ -117,24 +117,20 @@ def preprocess(model_cfg: Dict[str, Any], options: Dict[str, str], arch: Optiona
     if ("mean" in options) != ("std" in options):
         raise CheckpointImportError("give both mean=R,G,B and std=R,G,B, or neither")
     if "mean" in options:
-        vals = [[float(x) for x in options[k].split(",")] for k in ("mean", "std")]
-        if any(len(v) != 3 for v in vals):
+        try:
+            vals = [[float(x) for x in options[k].split(",")] for k in ("mean", "std")]
+        except ValueError:
+            vals = []
+        if len(vals) != 2 or any(len(v) != 3 for v in vals):
             raise CheckpointImportError("mean= and std= take three comma-separated numbers")
         return {"mean": vals[0], "std": vals[1]}, "preprocessing: mean/std as given"
     pre = model_cfg.get("preprocess_cfg") or {}
     mean, std = list(pre.get("mean", OPENAI_MEAN)), list(pre.get("std", OPENAI_STD))
-    if arch:
-        import open_clip
-
-        others = set()
-        for tag in open_clip.list_pretrained_tags_by_model(arch):
-            p = open_clip.get_pretrained_cfg(arch, tag)
-            if tuple(p.get("mean", mean)) != tuple(mean) or tuple(p.get("std", std)) != tuple(std):
-                others.add(f"{tag}: mean {list(p.get('mean'))} std {list(p.get('std'))}")
-        if others:
-            raise CheckpointImportError(
-                f"open_clip's published weights for {arch} use other image statistics ({'; '.join(sorted(others))}) "
-                f"than its config ({mean}, {std}); say which the checkpoint was trained with: mean=R,G,B std=R,G,B")
+    others = published_image_stats(arch, mean, std) if arch else []
+    if others:
+        raise CheckpointImportError(
+            f"open_clip's published weights for {arch} use other image statistics ({'; '.join(others)}) than its "
+            f"config ({mean}, {std}); say which the checkpoint was trained with: mean=R,G,B std=R,G,B")
     return {"mean": mean, "std": std}, f"preprocessing: mean {mean} std {std} (model config / open_clip default)"
 
 
