@@ -169,7 +169,8 @@ def read_checkpoint(path: str | Path) -> Any:
         what = f"pickled Python objects (the first: {found.group(1)})" if found else \
             "pickled data other than plain tensors"
         raise BackboneError(
-            f"refusing to load {path}: it holds {what}, and rebuilding them would run code from the file. fewclip "
+            f"refusing to load {path}: it holds {what}, which fewclip does not rebuild (that would run code from "
+            f"the file). fewclip "
             f"reads .safetensors, torch files loadable with torch.load(weights_only=True) (tensors only) and "
             f"TorchScript archives (tensors only). {_conversion_hint(path, found.group(1) if found else '')}"
         ) from None

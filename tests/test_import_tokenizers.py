@@ -173,3 +173,15 @@ def test_siglip_weights_from_a_file_need_their_image_statistics(tmp_path, tokeni
                                             r"open_clip .* mean=R,G,B std=R,G,B"):
         load_backbone(BackboneConfig(name="ViT-B-16-SigLIP", pretrained=str(tmp_path / "open_clip_model.safetensors"),
                                      tokenizer=str(tokenizer_dir), device="cpu"))
+
+
+def test_lora_starts_at_zero_shot_on_an_hf_tower(backbone):
+    from fewclip.adapters.lora import LoRA, LoRAConfig
+
+    ad = LoRA(LoRAConfig(towers="both"), backbone, CLASSNAMES, TEMPLATES)
+    pixels = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        feats = ad.encode_images(pixels)
+        expected = zeroshot_logits(backbone, backbone.encode_images(pixels),
+                                   text_prototypes(backbone, CLASSNAMES, TEMPLATES))
+        torch.testing.assert_close(ad(feats), expected, rtol=1e-5, atol=1e-5)

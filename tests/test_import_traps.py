@@ -186,7 +186,7 @@ def test_pickled_objects_are_refused_with_a_conversion_the_user_runs_knowingly(t
     with pytest.raises(BackboneError) as e:
         load_weights_file(tmp_path / "ckpt.pt")
     msg = str(e.value)
-    assert "_record" in msg and "would run code from the file" in msg
+    assert "_record" in msg and "would run code from the file" in msg and "refusing to load" in msg
     assert "add_safe_globals([test_import_traps._record])" in msg and "weights.safetensors" in msg
     # fewclip's own words, not torch's advice (nor its terminal colour codes)
     assert "weights_only=False" not in msg and "Re-running" not in msg and "\x1b" not in msg

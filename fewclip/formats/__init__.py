@@ -99,7 +99,7 @@ def import_checkpoint(fmt_name: str, checkpoint: str | Path, out: str | Path,
     from omegaconf import OmegaConf
     from safetensors.torch import save_file
 
-    from ..io import atomic_write_text
+    from ..io import _umask, atomic_write_text
 
     if fmt_name not in FORMATS:
         raise CheckpointImportError(f"unknown checkpoint format {fmt_name!r}; known: {', '.join(sorted(FORMATS))}")
@@ -136,6 +136,7 @@ def import_checkpoint(fmt_name: str, checkpoint: str | Path, out: str | Path,
         atomic_write_text(tmp / CARD_FILE, OmegaConf.to_yaml(OmegaConf.create(card)))
         # Load it back: a card that does not load is never left behind as if it were fine.
         backbone = load_backbone(BackboneConfig(name=str(tmp), device="cpu"))
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it private; a card folder is an ordinary folder
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)

@@ -102,7 +102,12 @@ def read_meru(path: Path, options: Dict[str, str]) -> Imported:
     arch = options["arch"]
     overrides = {k[len("vit."):]: _yaml_value(v) for k, v in options.items() if k.startswith("vit.")}
     timm_model, timm_kwargs = _timm_vit(arch, overrides)
-    curv_init = float(options.get("curv_init", 1.0))
+    try:
+        curv_init = float(options.get("curv_init", 1.0))
+    except ValueError:
+        raise CheckpointImportError(f"curv_init must be a number, got {options['curv_init']!r}") from None
+    if not curv_init > 0:
+        raise CheckpointImportError(f"curv_init must be positive, got {curv_init}")
 
     # -- text tower: shapes from the checkpoint, heads by MERU's rule
     token = sd["textual.token_embed.weight"]
