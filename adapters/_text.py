@@ -7,6 +7,13 @@ positional embedding, run the transformer with the tower's own attention mask
 pool (at the end-of-text token for ``argmax``/``eos``, the last position for
 ``last``, the first for ``first``) and project.
 
+``TextTower.prompt_ends`` gives the special tokens the backbone's tokenizer puts
+around every text and its padding id: CLIP's BPE and fewclip's word tokenizer
+start with a start-of-text token and end with end-of-text; a Hugging Face
+tokenizer (SigLIP's) may have no start token at all. Prompt learning builds its
+prompts from these, so that a prompt equals the tokenizer's own output for the
+equivalent text.
+
 ``TextTower.can_truncate`` says when running a shorter sequence is *exact*:
 with a causal mask, position i never sees positions after it, so cutting every
 sequence right after its pooled token changes nothing. Without a causal mask
@@ -15,12 +22,34 @@ the tower runs at the full context length.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from open_clip.transformer import ResidualAttentionBlock, text_global_pool
+
+
+@dataclass(frozen=True)
+class PromptEnds:
+    """What a tokenizer puts around every text: ``start + words + end``, then ``pad`` up to the length."""
+
+    start: List[int]  # empty for tokenizers without a start token (SigLIP's)
+    end: List[int]
+    pad: int
+
+    @property
+    def has_start(self) -> bool:
+        return bool(self.start)
+
+
+def prompt_ends(tokenizer) -> PromptEnds:
+    """The special tokens of fewclip's word tokenizer, open_clip's BPE, or ``fewclip.tokenizer.HFTextTokenizer``."""
+    if hasattr(tokenizer, "start_ids"):  # HFTextTokenizer: read from the Hugging Face tokenizer itself
+        return PromptEnds(list(tokenizer.start_ids), list(tokenizer.end_ids), int(tokenizer.pad_token_id))
+    return PromptEnds([int(tokenizer.sot_token_id)], [int(tokenizer.eot_token_id)],
+                      int(getattr(tokenizer, "pad_token_id", 0) or 0))  # open_clip's BPE pads with 0
 
 
 class TextTower:
@@ -41,14 +70,18 @@ class TextTower:
         self.attn_mask: Optional[torch.Tensor] = t.attn_mask
         self.pool_type = t.text_pool_type if hasattr(t, "text_pool_type") else t.pool_type
         self.eos_id = getattr(t, "text_eos_id", None) if hasattr(t, "text_eos_id") else getattr(t, "eos_id", None)
-        self.pad_id = getattr(t, "pad_id", 0)
+        # The model's padding id, which its padding mask looks for; prompts are padded with the tokenizer's.
+        self.mask_pad_id = getattr(t, "pad_id", 0)
         self.use_pad_mask = bool(getattr(t, "use_pad_mask", False))
         self.context_length = int(t.context_length)
         self.width = int(self.token_embedding.weight.shape[1])
         self.tokenizer = tokenizer
-        if not hasattr(tokenizer, "encode") or not hasattr(tokenizer, "sot_token_id"):
-            raise ValueError("prompt learning needs a tokenizer with encode(), sot_token_id and eot_token_id "
-                             "(open_clip's SimpleTokenizer or fewclip's WordTokenizer)")
+        if not hasattr(tokenizer, "encode") or not (hasattr(tokenizer, "sot_token_id") or hasattr(tokenizer, "start_ids")):
+            raise ValueError("prompt learning needs a tokenizer with encode() and known start/end tokens "
+                             "(open_clip's SimpleTokenizer, fewclip's WordTokenizer, or a Hugging Face tokenizer "
+                             "loaded by fewclip)")
+        self._ends = prompt_ends(tokenizer)
+        self.pad_id = self._ends.pad  # what the tokenizer pads with: prompts must match its output
 
     @property
     def causal(self) -> bool:
@@ -65,6 +98,19 @@ class TextTower:
     def encode_words(self, text: str) -> List[int]:
         """Token ids of ``text`` without start/end tokens."""
         return list(self.tokenizer.encode(text))
+
+    def prompt_ends(self) -> PromptEnds:
+        """The tokenizer's start tokens (possibly none), end tokens and padding id."""
+        return self._ends
+
+    @property
+    def placeholder_id(self) -> int:
+        """An id for positions whose embedding is replaced (learned context): the start token where there is
+        one, else the smallest id that is no special token, so that pooling and padding never see it."""
+        if self._ends.has_start:
+            return self._ends.start[0]
+        special = {*self._ends.end, self._ends.pad, self.mask_pad_id, self.eos_id}
+        return next(i for i in range(self.token_embedding.num_embeddings) if i not in special)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token embeddings [N, L, W] for ids [N, L]."""
@@ -83,7 +129,7 @@ class TextTower:
         mask = self.attn_mask[:L, :L] if self.attn_mask is not None else None
         if self.use_pad_mask:
             pad = torch.zeros(N, 1, L, dtype=x.dtype, device=x.device)
-            pad.masked_fill_((tokens == self.pad_id)[:, None, :], float("-inf"))
+            pad.masked_fill_((tokens == self.mask_pad_id)[:, None, :], float("-inf"))
             heads = self.transformer.resblocks[0].attn.num_heads
             pad = pad.expand(N, L, L).repeat_interleave(heads, 0)
             mask = pad if mask is None else mask.unsqueeze(0) + pad

@@ -67,7 +67,6 @@ class CoOp(Adapter):
         super().__init__(cfg, backbone, classnames, templates)
         tower = TextTower(backbone.model, backbone.tokenizer)
         object.__setattr__(self, "tower", tower)
-        tok = backbone.tokenizer
         C = len(self.classnames)
 
         if cfg.ctx_init is not None:
@@ -81,8 +80,9 @@ class CoOp(Adapter):
 
         # Token ids per class, with a placeholder id where the context goes.
         dot = tower.encode_words(".")
-        sot, eot = tok.sot_token_id, tok.eot_token_id
-        placeholder = init_ids if init_ids is not None else [sot] * n_ctx  # any id; its embedding is replaced
+        ends = tower.prompt_ends()  # the tokenizer's start (maybe none) and end tokens
+        n_start = len(ends.start)
+        placeholder = init_ids if init_ids is not None else [tower.placeholder_id] * n_ctx  # embedding replaced
         half = n_ctx // 2
         seqs, ctx_pos = [], []
         for name in self.classnames:
@@ -91,14 +91,15 @@ class CoOp(Adapter):
                 raise ValueError(f"class name {name!r} gives no tokens")
             if cfg.class_token_position == "end":
                 body = list(placeholder) + name_ids + dot
-                pos = list(range(1, 1 + n_ctx))
+                pos = list(range(n_start, n_start + n_ctx))
             elif cfg.class_token_position == "front":
                 body = name_ids + list(placeholder) + dot
-                pos = list(range(1 + len(name_ids), 1 + len(name_ids) + n_ctx))
+                pos = list(range(n_start + len(name_ids), n_start + len(name_ids) + n_ctx))
             else:  # middle
                 body = list(placeholder[:half]) + name_ids + list(placeholder[half:]) + dot
-                pos = list(range(1, 1 + half)) + list(range(1 + half + len(name_ids), 1 + n_ctx + len(name_ids)))
-            seqs.append([sot] + body + [eot])
+                pos = list(range(n_start, n_start + half)) + list(range(n_start + half + len(name_ids),
+                                                                    n_start + n_ctx + len(name_ids)))
+            seqs.append(ends.start + body + ends.end)
             ctx_pos.append(pos)
         longest = max(len(s) for s in seqs)
         if longest > tower.context_length:
@@ -129,9 +130,9 @@ class CoOp(Adapter):
         # Positions [0, P) hold the same embedding for every class (start token + shared context):
         # end -> 1 + n_ctx, middle -> 1 + n_ctx // 2; a class-specific context shares only the start token.
         if cfg.csc:
-            self.shared_len = 1
+            self.shared_len = n_start
         else:
-            self.shared_len = {"end": 1 + n_ctx, "middle": 1 + half, "front": 1}[cfg.class_token_position]
+            self.shared_len = {"end": n_start + n_ctx, "middle": n_start + half, "front": n_start}[cfg.class_token_position]
         # "shared": compute the shared prefix once per step (fastest, exact); "truncate": every prompt
         # in full but cut to the longest one; "faithful": full context length (the reference path).
         # On the CPU the shared prefix is fastest; on a GPU the many small kernels of the shared path
@@ -181,9 +182,9 @@ class CoOp(Adapter):
             first, second = dec(ids[:half]).strip(), dec(ids[half:]).strip()
             template = " ".join(p for p in (first, "{}", second) if p) + "."
         # The template is equivalent only if it tokenizes to exactly these prompts.
-        tok = self.backbone.tokenizer
+        ends = self.tower.prompt_ends()
         for name, row in zip(self.classnames, self.tokens.tolist()):
-            ids = [tok.sot_token_id] + self.tower.encode_words(template.format(name)) + [tok.eot_token_id]
+            ids = ends.start + self.tower.encode_words(template.format(name)) + ends.end
             if row[: len(ids)] != ids or any(t != self.tower.pad_id for t in row[len(ids):]):
                 return None
         return template

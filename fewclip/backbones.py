@@ -2,7 +2,8 @@
 
 A backbone is named by ``BackboneConfig.name`` and resolved in this order:
 
-1. a path to a backbone card (``*.yaml``);
+1. a path to a backbone card (``*.yaml``), or a folder holding one (``card.yaml``, as
+   ``fewclip import`` writes it);
 2. the name of a card shipped with fewclip (``toy-clip``, ``toy-euclip``, ...);
 3. an open_clip architecture (``ViT-B-32``) with ``backbone.pretrained`` set to an
    open_clip pretrained tag (``openai``, ``laion2b_s34b_b79k``, ...), a local
@@ -15,21 +16,35 @@ tags do not cover, e.g. a model trained in another geometry::
     architecture: ViT-S-16          # an open_clip built-in config, or
     # model_config: {...}           # an inline open_clip model config, or
     # model_config_file: cfg.json   # an open_clip model-config JSON (relative to the card)
+    # image_tower: {...}            # an image tower open_clip cannot name (fewclip.towers), with
+                                    # model_config giving embed_dim and text_cfg only
+    final_ln: true                  # false: no final LayerNorm in either tower (EuCLIP)
     weights: meru_vit_s.safetensors # relative to the card; .safetensors, or .pt/.bin (loaded weights_only)
-    tokenizer: {type: open_clip}    # or {type: word, file: vocab.json}
+    tokenizer: {type: open_clip}    # or {type: word, file: vocab.json}, or {type: hf, name: HUB_ID, path: DIR}
     geometry: {name: hyperbolic, logit_scale: 10.0, curvature: 1.0, alpha_image: 0.05, alpha_text: 0.05}
     preprocess: {mean: [...], std: [...]}   # optional, defaults to OpenAI CLIP's
     sha256: ...                      # optional; checked when present
 
+The geometry gives every parameter: ``logit_scale`` always (and it must agree with the
+weights' own ``logit_scale``, stored as its log, within the weights' precision),
+``logit_bias`` for ``sigmoid`` (checked against the weights' bias when they hold one),
+``curvature``, ``alpha_image`` and ``alpha_text`` for the hyperbolic geometries. A
+missing or disagreeing parameter is an error, never a default.
+
 Weights are never unpickled: safetensors files are read with ``safetensors``,
-anything else with ``torch.load(weights_only=True)``. The model is frozen (no
-parameter requires grad) and kept in eval mode.
+TorchScript archives by ``fewclip.formats.torchscript`` (tensors only, no code run),
+anything else with ``torch.load(weights_only=True)``. Weights must be finite floats
+(a quantized or NaN checkpoint is refused). The model is frozen (no parameter
+requires grad) and kept in eval mode.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import pickle
+import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
@@ -38,7 +53,7 @@ import torch
 import torch.nn as nn
 
 from .attention import LocalAttentionConfig, apply_local_attention
-from .geometry import Geometry, make_geometry
+from .geometry import GEOMETRIES, Geometry, geometry_params, make_geometry
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +81,9 @@ class BackboneConfig:
     # "auto" picks CUDA when available, else the CPU.
     device: str = "auto"
     cache_dir: Optional[str] = None
+    # A local folder holding the Hugging Face tokenizer that the model names (SigLIP and other open_clip
+    # models with text_cfg.hf_tokenizer_name). Unset: only the local Hugging Face cache is searched, never the hub.
+    tokenizer: Optional[str] = None
     # Local-window self-attention in the frozen towers (fewclip.attention), e.g. local_attention.text.window=8.
     local_attention: LocalAttentionConfig = field(default_factory=LocalAttentionConfig)
 
@@ -109,45 +127,112 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def load_weights_file(path: str | Path) -> Dict[str, torch.Tensor]:
-    """Read a state dict without executing pickled code."""
+# Keys OpenAI's CLIP checkpoints carry besides the weights (OpenAI's build_model deletes them).
+OPENAI_EXTRA_KEYS = ("input_resolution", "context_length", "vocab_size")
+# Geometry parameters that EuCLIP's hyperbolic models store in the state dict, as logs.
+EUCLIP_GEOMETRY_KEYS = ("alpha_img", "alpha_txt", "curvature")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def read_checkpoint(path: str | Path) -> Any:
+    """What a checkpoint file holds (a dict, usually), read without executing code from it.
+
+    ``.safetensors`` with safetensors; a TorchScript archive (OpenAI's published CLIP files)
+    with fewclip's tensor-only reader, giving its state dict; anything else with
+    ``torch.load(weights_only=True)``. A file that holds pickled objects is refused with the
+    conversion a user can run themselves, knowing that it runs the file's code.
+    """
+    from .formats.torchscript import TorchScriptError, archive_prefix, read_torchscript_state_dict
+
     path = Path(path)
     if not path.is_file():
         raise BackboneError(f"weights file not found: {path}")
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
 
-            sd = load_file(str(path), device="cpu")
-        else:
-            sd = torch.load(str(path), map_location="cpu", weights_only=True)
+        try:
+            return load_file(str(path), device="cpu")
+        except Exception as e:
+            raise BackboneError(f"cannot read safetensors file {path}: {e}") from None
+    if archive_prefix(path) is not None:
+        try:
+            return read_torchscript_state_dict(path)
+        except TorchScriptError as e:
+            raise BackboneError(f"cannot read TorchScript archive {path}: {e}. {_conversion_hint(path)}") from None
+    try:
+        with warnings.catch_warnings():  # torch warns about pickle protocols; the refusal below says what matters
+            warnings.simplefilter("ignore")
+            return torch.load(str(path), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        # torch's message suggests weights_only=False; fewclip never does that, so say only what was found.
-        detail = " ".join(str(e).split("WeightsUnpickler error:", 1)[-1].split())
-        for cut in (" was not an allowed global", ". Please use", " Check the documentation"):
-            detail = detail.split(cut)[0]
-        what = "pickled Python objects, not only tensors" if "global" in detail.lower() else "no readable state dict"
+        # torch's message advises weights_only=False; fewclip never does that, so say only what was found.
+        found = re.search(r"GLOBAL (\S+) was not an allowed global", str(e))
+        what = f"pickled Python objects (the first: {found.group(1)})" if found else \
+            "pickled data other than plain tensors"
         raise BackboneError(
-            f"refusing to load weights file {path}: it holds {what} ({detail}). fewclip reads .safetensors, or "
-            f"torch files loadable with torch.load(weights_only=True) and never runs pickled code: save the bare "
-            f"state dict (torch.save(model.state_dict(), path)) or convert it to .safetensors"
+            f"refusing to load {path}: it holds {what}, which fewclip does not rebuild (that would run code from "
+            f"the file). fewclip "
+            f"reads .safetensors, torch files loadable with torch.load(weights_only=True) (tensors only) and "
+            f"TorchScript archives (tensors only). {_conversion_hint(path, found.group(1) if found else '')}"
         ) from None
     except Exception as e:
         raise BackboneError(
-            f"cannot read weights file {path}: {e}. fewclip reads .safetensors, or torch files loadable with "
-            f"weights_only=True (plain tensors, no pickled objects)"
-        ) from None
+            f"cannot read weights file {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
+            f"fewclip reads .safetensors, torch files that hold only tensors, and TorchScript archives") from None
+
+
+def _conversion_hint(path: Path, global_name: Optional[str] = None) -> str:
+    """How a user who trusts ``path`` can turn it into safetensors themselves (fewclip never runs a file's code)."""
+    save = ("from safetensors.torch import save_file; "
+            "save_file({k: v.float().contiguous() for k, v in sd.items()}, 'weights.safetensors')")
+    if global_name == "":  # not a class torch names: nothing to allowlist
+        return ("Save the bare state dict (torch.save(model.state_dict(), path)) or a .safetensors file from the "
+                "program that wrote it")
+    if global_name is None:  # a TorchScript archive this reader could not parse
+        return (f"If you trust the file, convert it once yourself, knowing that torch.jit.load compiles and runs "
+                f"the code stored in it: python -c \"import torch; sd = torch.jit.load('{path}', "
+                f"map_location='cpu').state_dict(); {save}\" and give fewclip weights.safetensors")
+    module, _, name = global_name.rpartition(".")
+    return (f"If you trust the file, convert it once yourself, allowing torch to rebuild {global_name} objects "
+            f"(this runs that code; repeat for any further class torch names): python -c \"import torch, {module}; "
+            f"torch.serialization.add_safe_globals([{global_name}]); ck = torch.load('{path}', map_location='cpu'); "
+            f"sd = ck.get('state_dict', ck.get('model', ck)); {save}\" and give fewclip weights.safetensors, or save "
+            f"the bare state dict (torch.save(model.state_dict(), path)) from the program that wrote the file")
+
+
+def load_weights_file(path: str | Path) -> Dict[str, torch.Tensor]:
+    """A flat state dict from ``path`` (see ``read_checkpoint``), unwrapped from open_clip_train's
+    ``{"state_dict": ...}`` and stripped of DistributedDataParallel's ``module.`` prefix."""
+    sd = read_checkpoint(path)
     if isinstance(sd, dict) and "state_dict" in sd and isinstance(sd["state_dict"], dict):
         sd = sd["state_dict"]
+    if isinstance(sd, dict) and isinstance(sd.get("model"), dict) and "curv" in sd["model"]:
+        raise BackboneError(f"{path} is a MERU/HyCoCLIP training checkpoint ({{'model': ...}}); import it into a "
+                            f"card folder: fewclip import meru {path} arch=TIMM_VIT_NAME out=DIR")
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise BackboneError(f"weights file {path} does not hold a flat state dict of tensors")
-    if sd and next(iter(sd)).startswith("module."):
+    if sd and all(k.startswith("module.") for k in sd):
         sd = {k[len("module."):]: v for k, v in sd.items()}
     return sd
 
 
+def check_weights_are_finite_floats(sd: Dict[str, torch.Tensor], keys: Sequence[str], source: str) -> None:
+    """Refuse weights that are not float16/bfloat16/float32/float64 (quantized, int8) or not finite."""
+    bad_dtype = [f"{k} ({sd[k].dtype})" for k in keys if sd[k].dtype not in FLOAT_DTYPES]
+    if bad_dtype:
+        raise BackboneError(
+            f"weights in {source} are not floating point where the model's are: {len(bad_dtype)} tensors, e.g. "
+            f"{bad_dtype[:3]}. fewclip loads float16/bfloat16/float32 checkpoints; a quantized (int8, fp8) checkpoint "
+            f"must be dequantized to float first")
+    bad = [k for k in keys if not bool(torch.isfinite(sd[k]).all())]
+    if bad:
+        raise BackboneError(
+            f"weights in {source} hold NaN or infinite values in {len(bad)} tensors (e.g. {bad[:3]}): the file is "
+            f"damaged or the training diverged; use another checkpoint")
+
+
 def load_state_dict_strict(model: nn.Module, sd: Dict[str, torch.Tensor], source: str) -> None:
-    """Load ``sd`` into ``model``; any missing, unexpected or mis-shaped tensor is an error naming ``source``."""
+    """Load ``sd`` into ``model``; any missing, unexpected or mis-shaped tensor is an error naming ``source``,
+    and so is a non-float or non-finite tensor where the model holds floats."""
     own = model.state_dict()
     missing = [k for k in own if k not in sd]
     unexpected = [k for k in sd if k not in own]
@@ -165,6 +250,7 @@ def load_state_dict_strict(model: nn.Module, sd: Dict[str, torch.Tensor], source
             f"weights in {source} do not match the declared architecture: " + "; ".join(parts)
             + ". Check that the card's architecture/model_config is the one these weights were trained with."
         )
+    check_weights_are_finite_floats(sd, [k for k, v in own.items() if v.is_floating_point()], source)
     with torch.no_grad():
         for k, v in own.items():
             v.copy_(sd[k].to(v.dtype))
@@ -295,10 +381,31 @@ def shipped_cards() -> Dict[str, Path]:
     return {p.stem: p for p in sorted(REFERENCE_DIR.glob("*.yaml"))}
 
 
+CARD_FILE = "card.yaml"  # the card inside a card folder (what `fewclip import` writes)
+
+
+def card_file(path: str | Path) -> Path:
+    """The card YAML that ``path`` names: the file itself, or the card inside a card folder."""
+    path = Path(path)
+    if not path.is_dir():
+        return path
+    if (path / CARD_FILE).is_file():
+        return path / CARD_FILE
+    found = sorted(path.glob("*.yaml")) + sorted(path.glob("*.yml"))
+    if len(found) == 1:
+        return found[0]
+    raise BackboneError(f"folder {path} holds {'no' if not found else len(found)} card files; a card folder holds "
+                        f"{CARD_FILE} (as `fewclip import` writes it) or exactly one .yaml card")
+
+
+def is_card_path(name: str) -> bool:
+    return name.endswith((".yaml", ".yml")) or Path(name).is_dir()
+
+
 def read_card(path: str | Path) -> Dict[str, Any]:
     from omegaconf import OmegaConf
 
-    path = Path(path)
+    path = card_file(path)
     if not path.is_file():
         raise BackboneError(f"backbone card not found: {path}")
     try:
@@ -307,8 +414,8 @@ def read_card(path: str | Path) -> Dict[str, Any]:
         raise BackboneError(f"cannot parse backbone card {path}: {e}") from None
     if not isinstance(card, dict):
         raise BackboneError(f"backbone card {path} must be a YAML mapping")
-    allowed = {"name", "description", "architecture", "model_config", "model_config_file", "weights",
-               "tokenizer", "geometry", "preprocess", "sha256", "trained_with", "final_ln"}
+    allowed = {"name", "description", "architecture", "model_config", "model_config_file", "image_tower", "weights",
+               "tokenizer", "geometry", "preprocess", "sha256", "trained_with", "final_ln", "imported_from"}
     unknown = sorted(set(card) - allowed)
     if unknown:
         raise BackboneError(f"backbone card {path} has unknown keys {unknown}; allowed: {sorted(allowed)}")
@@ -321,6 +428,9 @@ def read_card(path: str | Path) -> Dict[str, Any]:
     for key in ("weights", "geometry"):
         if key not in card:
             raise BackboneError(f"backbone card {path} is missing the '{key}' key")
+    if "image_tower" in card and ("architecture" in card or "vision_cfg" in (card.get("model_config") or {})):
+        raise BackboneError(f"backbone card {path}: with 'image_tower', give 'model_config' with embed_dim and "
+                            f"text_cfg only (the image tower is the card's image_tower)")
     card["_dir"] = str(path.resolve().parent)
     card["_path"] = str(path.resolve())
     return card
@@ -348,6 +458,9 @@ def _card_model_config(card: Dict[str, Any]) -> Dict[str, Any]:
 
 def remove_final_ln(model: nn.Module) -> nn.Module:
     """Drop the final LayerNorm of both towers (the EuCLIP recipe; card key ``final_ln: false``)."""
+    if not hasattr(model.visual, "ln_post"):
+        raise BackboneError(f"final_ln: false needs an open_clip VisionTransformer image tower, not "
+                            f"{type(model.visual).__name__}")
     model.visual.ln_post = nn.Identity()
     if hasattr(model, "ln_final"):
         model.ln_final = nn.Identity()
@@ -356,23 +469,62 @@ def remove_final_ln(model: nn.Module) -> nn.Module:
     return model
 
 
-def build_open_clip_model(model_cfg: Dict[str, Any]) -> nn.Module:
-    """Instantiate an open_clip CLIP / CustomTextCLIP from a model config dict (random init)."""
+def build_open_clip_model(model_cfg: Dict[str, Any], image_tower: Optional[Dict[str, Any]] = None) -> nn.Module:
+    """Instantiate an open_clip CLIP / CustomTextCLIP from a model config dict (random init), or with
+    ``image_tower`` a ``fewclip.towers.TimmTowerCLIP`` (that image tower, open_clip's text tower)."""
+    cfg = dict(model_cfg)
+    if image_tower is not None:
+        from .towers import TimmTowerCLIP
+
+        cfg.pop("custom_text", None)
+        return TimmTowerCLIP(image_tower=dict(image_tower), **cfg)
     from open_clip.model import CLIP, CustomTextCLIP
 
-    cfg = dict(model_cfg)
     custom_text = cfg.pop("custom_text", False) or "hf_model_name" in cfg.get("text_cfg", {})
     cls = CustomTextCLIP if custom_text else CLIP
     return cls(**cfg)
 
 
-def _card_tokenizer(card: Dict[str, Any], model_cfg: Dict[str, Any]):
+def model_tokenizer(model_cfg: Dict[str, Any], arch: Optional[str], folder: Optional[str | Path], where: str):
+    """(tokenizer, spec) for an open_clip model config, loaded before the model.
+
+    A config naming a Hugging Face tokenizer (``text_cfg.hf_tokenizer_name``) gets it from
+    ``folder`` or the local Hugging Face cache, never the hub (``fewclip.tokenizer.load_hf_tokenizer``);
+    otherwise open_clip's own tokenizer for ``arch`` (CLIP's BPE for an inline config).
+    """
+    import open_clip
+
+    from .tokenizer import TokenizerNotFound, load_hf_tokenizer
+
+    text_cfg = model_cfg.get("text_cfg", {}) or {}
+    ctx = int(text_cfg.get("context_length", 77))
+    hub_id = text_cfg.get("hf_tokenizer_name")
+    if hub_id:
+        try:
+            tok = load_hf_tokenizer(hub_id, folder, ctx, text_cfg.get("tokenizer_kwargs"),
+                                    text_cfg.get("tokenizer_mode"))
+        except (TokenizerNotFound, ValueError) as e:
+            raise BackboneError(f"{where}: {e}") from None
+        return tok, {"type": "hf", "name": hub_id, "context_length": ctx}
+    if folder is not None:
+        raise BackboneError(f"{where}: backbone.tokenizer={folder} is set, but this model uses open_clip's own "
+                            f"tokenizer, not a Hugging Face one; unset backbone.tokenizer")
+    if arch:
+        return open_clip.get_tokenizer(arch), {"type": "open_clip", "name": arch}
+    tok = open_clip.tokenizer.SimpleTokenizer(context_length=ctx, **(text_cfg.get("tokenizer_kwargs") or {}))
+    return tok, {"type": "open_clip", "name": None}
+
+
+def _card_tokenizer(card: Dict[str, Any], model_cfg: Dict[str, Any], override: Optional[str] = None):
     spec = dict(card.get("tokenizer") or {"type": "open_clip"})
     kind = spec.get("type", "open_clip")
     ctx = model_cfg.get("text_cfg", {}).get("context_length", 77)
+    where = f"card {card['_path']}"
     if kind == "word":
         from .tokenizer import WordTokenizer
 
+        if override is not None:
+            raise BackboneError(f"{where} has its own word tokenizer; unset backbone.tokenizer")
         p = Path(card["_dir"]) / spec["file"]
         if not p.is_file():
             raise BackboneError(f"card {card['_path']}: tokenizer file not found: {p}")
@@ -385,18 +537,98 @@ def _card_tokenizer(card: Dict[str, Any], model_cfg: Dict[str, Any]):
                 f"text_cfg.vocab_size is {vocab}"
             )
         return tok, {"type": "word", "vocab": tok.words, "context_length": ctx}
+    if kind == "hf":
+        cfg = {**model_cfg, "text_cfg": dict(model_cfg.get("text_cfg", {}))}
+        cfg["text_cfg"]["hf_tokenizer_name"] = spec.get("name") or cfg["text_cfg"].get("hf_tokenizer_name")
+        if not cfg["text_cfg"]["hf_tokenizer_name"]:
+            raise BackboneError(f"{where}: tokenizer type 'hf' needs 'name' (the Hugging Face hub id)")
+        folder = override if override is not None else (Path(card["_dir"]) / spec["path"] if spec.get("path")
+                                                         else None)
+        return model_tokenizer(cfg, None, folder, where)
     if kind == "open_clip":
-        import open_clip
-
         name = spec.get("name") or card.get("architecture")
-        tok = open_clip.get_tokenizer(name) if name else open_clip.tokenizer.SimpleTokenizer(context_length=ctx)
-        return tok, {"type": "open_clip", "name": name}
-    raise BackboneError(f"card {card['_path']}: tokenizer type must be 'word' or 'open_clip', got {kind!r}")
+        return model_tokenizer(model_cfg, name, override, where)
+    raise BackboneError(f"card {card['_path']}: tokenizer type must be 'word', 'open_clip' or 'hf', got {kind!r}")
+
+
+GEOMETRY_ALIASES = {  # the EuCLIP fork's --geometry names (Chou et al., 2024) -> fewclip's
+    "euclidean-squared": "euclidean_sq", "hyperbolic-squared": "hyperbolic_sq",
+}
+UNSUPPORTED_GEOMETRIES = {
+    "euclidean-inner": "the inner product of unnormalised embeddings",
+    "hyperbolic-inner": "the Lorentzian inner product",
+}
+REQUIRED_GEOMETRY_PARAMS = {
+    "sigmoid": ("logit_scale", "logit_bias"),
+    "hyperbolic": ("logit_scale", "curvature", "alpha_image", "alpha_text"),
+    "hyperbolic_sq": ("logit_scale", "curvature", "alpha_image", "alpha_text"),
+}
+
+
+def canonical_geometry(name: str) -> str:
+    """fewclip's geometry name for ``name``, accepting the EuCLIP fork's names (``euclidean-squared``)."""
+    if name in UNSUPPORTED_GEOMETRIES:
+        raise ValueError(f"geometry {name!r} ({UNSUPPORTED_GEOMETRIES[name]}) has no fewclip geometry; fewclip has "
+                         f"{sorted(GEOMETRIES)} (and the aliases {sorted(GEOMETRY_ALIASES)})")
+    return GEOMETRY_ALIASES.get(name, name)
+
+
+def _weights_scalar(sd: Dict[str, torch.Tensor], key: str) -> Optional[torch.Tensor]:
+    t = sd.get(key)
+    return None if t is None else t.detach().reshape(-1)[:1]
+
+
+def _agrees(value: float, stored: torch.Tensor) -> bool:
+    """Whether ``value`` equals the stored scalar to the precision it is stored in (at least 1e-4 relative)."""
+    s = float(stored.float())
+    tol = max(1e-4, 2 * torch.finfo(stored.dtype).eps) * max(1.0, abs(s))
+    return abs(value - s) <= tol
+
+
+def card_geometry(card: Dict[str, Any], sd: Dict[str, torch.Tensor]) -> Geometry:
+    """The card's geometry, every parameter given and the logit scale and bias agreeing with the weights'."""
+    where = f"card {card['_path']}"
+    params = dict(card["geometry"])
+    name = params.pop("name", None)
+    if name is None:
+        raise BackboneError(f"{where}: geometry needs a 'name'")
+    try:
+        name = canonical_geometry(str(name))
+        allowed = geometry_params(name)
+    except ValueError as e:
+        raise BackboneError(f"{where}: {e}") from None
+    stored_scale, stored_bias = _weights_scalar(sd, "logit_scale"), _weights_scalar(sd, "logit_bias")
+    required = REQUIRED_GEOMETRY_PARAMS.get(name, ("logit_scale",))
+    missing = [k for k in required if k not in params]
+    if missing:
+        found = f" (the weights hold logit_scale = {math.exp(float(stored_scale.float())):.6g})" \
+            if "logit_scale" in missing and stored_scale is not None else ""
+        raise BackboneError(
+            f"{where}: geometry {name!r} needs {list(required)}, and the card does not give {missing}{found}; "
+            f"fewclip uses no default for a frozen backbone's geometry. Add them to the card's geometry section "
+            f"(`fewclip import` reads them from the authors' checkpoint)")
+    if "logit_scale" in params and stored_scale is not None and "logit_scale" in allowed:
+        if not _agrees(math.log(float(params["logit_scale"])), stored_scale):
+            weights = math.exp(float(stored_scale.float()))
+            raise BackboneError(
+                f"{where}: geometry.logit_scale is {params['logit_scale']} but the weights hold logit_scale = "
+                f"{weights:.6g} (stored as its log, {float(stored_scale.float()):.6g}); set "
+                f"geometry.logit_scale: {weights:.8g} in the card, or fix the weights")
+    if "logit_bias" in params and stored_bias is not None and not _agrees(float(params["logit_bias"]), stored_bias):
+        raise BackboneError(
+            f"{where}: geometry.logit_bias is {params['logit_bias']} but the weights hold logit_bias = "
+            f"{float(stored_bias.float()):.6g}; set geometry.logit_bias: {float(stored_bias.float()):.8g} in the card")
+    try:
+        return make_geometry(name, **params)
+    except ValueError as e:
+        raise BackboneError(f"{where}: {e}") from None
 
 
 def load_card(card_path: str | Path, cfg: BackboneConfig) -> Backbone:
     card = read_card(card_path)
     model_cfg = _card_model_config(card)
+    # The tokenizer first: a missing one is an error in seconds, before a large model is built.
+    tokenizer, tok_spec = _card_tokenizer(card, model_cfg, cfg.tokenizer)
     weights = Path(card["_dir"]) / card["weights"]
     if not weights.is_file():
         raise BackboneError(f"card {card['_path']}: weights file not found: {weights}")
@@ -407,30 +639,26 @@ def load_card(card_path: str | Path, cfg: BackboneConfig) -> Backbone:
             f"{str(card['sha256'])[:16]}...: the file is damaged or not the one the card describes"
         )
     try:
-        model = build_open_clip_model(model_cfg)
+        model = build_open_clip_model(model_cfg, card.get("image_tower"))
     except Exception as e:
         raise BackboneError(f"card {card['_path']}: cannot build the model from its config: {e}") from None
     if card.get("final_ln", True) is False:
         remove_final_ln(model)
-    load_state_dict_strict(model, load_weights_file(weights), str(weights))
-    tokenizer, tok_spec = _card_tokenizer(card, model_cfg)
-    gparams = dict(card["geometry"])
-    gname = gparams.pop("name", None)
-    if gname is None:
-        raise BackboneError(f"card {card['_path']}: geometry needs a 'name'")
-    try:
-        geometry = make_geometry(gname, **gparams)
-    except ValueError as e:
-        raise BackboneError(f"card {card['_path']}: {e}") from None
+    sd = load_weights_file(weights)
+    load_state_dict_strict(model, sd, str(weights))
+    geometry = card_geometry(card, sd)
     pre = card.get("preprocess") or {}
-    image_size = model_cfg["vision_cfg"].get("image_size", 224)
+    if card.get("image_tower"):
+        image_size = card["image_tower"]["image_size"]
+    else:
+        image_size = model_cfg["vision_cfg"].get("image_size", 224)
     if isinstance(image_size, (list, tuple)):
         image_size = image_size[0]
     bb = Backbone(
         model,
         tokenizer,
         geometry,
-        name=card.get("name", Path(card_path).stem),
+        name=card.get("name", card_file(card_path).stem),
         image_size=image_size,
         mean=pre.get("mean", OPENAI_MEAN),
         std=pre.get("std", OPENAI_STD),
@@ -451,17 +679,63 @@ def _geometry_for_open_clip(model: nn.Module, override: Optional[str]) -> Geomet
     bias = getattr(model, "logit_bias", None)
     if override is None:
         override = "sigmoid" if bias is not None else "clip"
+    try:
+        override = canonical_geometry(override)
+    except ValueError as e:
+        raise BackboneError(f"backbone.geometry: {e}") from None
+    if override in ("hyperbolic", "hyperbolic_sq"):
+        raise BackboneError(
+            f"backbone.geometry={override} needs a curvature and per-modality scales, which an open_clip "
+            f"architecture does not carry (fewclip would otherwise use curvature 1 and alpha 1). Import the "
+            f"checkpoint that holds them (`fewclip import euclip FILE model=ARCH geometry={override} out=DIR`, "
+            f"or `fewclip import meru ...`) and use backbone=DIR, or write a backbone card giving them")
     params: Dict[str, float] = {"logit_scale": scale}
     if override == "sigmoid":
-        params["logit_bias"] = float(bias.detach().float().reshape(-1)[0]) if bias is not None else -10.0
+        if bias is None:
+            raise BackboneError(
+                "backbone.geometry=sigmoid needs a logit bias, and this model has none (no init_logit_bias in its "
+                "config). Use a SigLIP architecture, or a card giving geometry.logit_bias")
+        params["logit_bias"] = float(bias.detach().float().reshape(-1)[0])
     try:
         return make_geometry(override, **params)
     except ValueError as e:
         raise BackboneError(f"backbone.geometry: {e}") from None
 
 
+def published_image_stats(arch: str, mean: Sequence[float], std: Sequence[float]) -> List[str]:
+    """open_clip's published weights of ``arch`` whose image mean/std differ from ``mean``/``std`` ("tag: ...")."""
+    import open_clip
+
+    others = []
+    for tag in open_clip.list_pretrained_tags_by_model(arch):
+        p = open_clip.get_pretrained_cfg(arch, tag)
+        if tuple(p.get("mean", mean)) != tuple(mean) or tuple(p.get("std", std)) != tuple(std):
+            others.append(f"{tag}: mean {list(p.get('mean'))} std {list(p.get('std'))}")
+    return sorted(others)
+
+
+def _check_open_clip_file(arch: str, sd: Dict[str, torch.Tensor], path: Path) -> Dict[str, torch.Tensor]:
+    """Refuse files whose layout says they need more than an open_clip architecture name."""
+    if any(k in sd for k in EUCLIP_GEOMETRY_KEYS):
+        raise BackboneError(
+            f"{path} holds EuCLIP's hyperbolic geometry parameters ({', '.join(EUCLIP_GEOMETRY_KEYS)}), which an "
+            f"open_clip architecture has no place for. Import it: fewclip import euclip {path} model={arch} "
+            f"geometry=hyperbolic|hyperbolic-squared out=DIR, then backbone=DIR")
+    if any(k in sd for k in OPENAI_EXTRA_KEYS):
+        from open_clip.factory import get_model_config
+
+        if not (get_model_config(arch) or {}).get("quick_gelu", False):
+            raise BackboneError(
+                f"{path} is an OpenAI CLIP checkpoint (it carries {', '.join(OPENAI_EXTRA_KEYS)}): OpenAI's towers "
+                f"use QuickGELU, and {arch} uses GELU, so its logits would be silently wrong. Use "
+                f"backbone={arch}-quickgelu, or import it (fewclip import openai {path} out=DIR)")
+        sd = {k: v for k, v in sd.items() if k not in OPENAI_EXTRA_KEYS}
+    return sd
+
+
 def load_open_clip(cfg: BackboneConfig) -> Backbone:
     import open_clip
+    from open_clip.factory import get_model_config
 
     arch = cfg.name
     pretrained = cfg.pretrained
@@ -471,14 +745,23 @@ def load_open_clip(cfg: BackboneConfig) -> Backbone:
             f"backbone={arch} is an open_clip architecture: say which weights with backbone.pretrained=TAG "
             f"(known tags: {', '.join(tags) or 'none'}), a local checkpoint file, or none (random weights)"
         )
+    # The tokenizer first: a Hugging Face tokenizer that is not on this machine fails here, in seconds.
+    tokenizer, tok_spec = model_tokenizer(get_model_config(arch) or {}, arch, cfg.tokenizer, f"backbone={arch}")
     weights_sha = None
     if pretrained.lower() == "none":
         model = open_clip.create_model(arch, pretrained=None)
         source = f"open_clip:{arch} (random init)"
     elif Path(pretrained).exists():
         p = Path(pretrained)
+        pre = (get_model_config(arch) or {}).get("preprocess_cfg") or {}
+        others = published_image_stats(arch, pre.get("mean", OPENAI_MEAN), pre.get("std", OPENAI_STD))
+        if others:  # a file does not say which weights it holds, so not which image statistics they need
+            raise BackboneError(
+                f"open_clip's published weights for {arch} use other image statistics ({'; '.join(others)}) than its "
+                f"config, and a local file does not say which it was trained with. Import it with them: fewclip "
+                f"import open_clip {p} model={arch} mean=R,G,B std=R,G,B out=DIR, then backbone=DIR")
+        sd = _check_open_clip_file(arch, load_weights_file(p), p)
         model = open_clip.create_model(arch, pretrained=None)
-        sd = load_weights_file(p)
         try:
             from open_clip.factory import convert_state_dict
 
@@ -511,7 +794,7 @@ def load_open_clip(cfg: BackboneConfig) -> Backbone:
         image_size = image_size[0]
     bb = Backbone(
         model,
-        open_clip.get_tokenizer(arch),
+        tokenizer,
         _geometry_for_open_clip(model, cfg.geometry),
         name=arch if pretrained.lower() == "none" else f"{arch}/{Path(pretrained).name}",
         image_size=image_size,
@@ -519,7 +802,7 @@ def load_open_clip(cfg: BackboneConfig) -> Backbone:
         std=pre.get("std", OPENAI_STD),
         weights_sha256=weights_sha,
         source=source,
-        tokenizer_spec={"type": "open_clip", "name": arch},
+        tokenizer_spec=tok_spec,
     )
     return _place(bb, cfg)
 
@@ -538,22 +821,27 @@ def _place(bb: Backbone, cfg: BackboneConfig) -> Backbone:
 
 
 def load_backbone(cfg: BackboneConfig) -> Backbone:
-    """Resolve ``cfg.name`` (card path, shipped card, open_clip architecture) and load it frozen."""
+    """Resolve ``cfg.name`` (card path or folder, shipped card, open_clip architecture) and load it frozen."""
     name = cfg.name
-    if name.endswith((".yaml", ".yml")):
-        if cfg.pretrained not in (None,):
-            raise BackboneError("backbone.pretrained applies to open_clip architectures; a card names its own weights")
-        return load_card(name, cfg)
     cards = shipped_cards()
-    if name in cards:
-        return load_card(cards[name], cfg)
+    if is_card_path(name) or name in cards:
+        if cfg.pretrained is not None:
+            raise BackboneError(
+                f"backbone.pretrained={cfg.pretrained} applies to open_clip architectures, and backbone={name} is a "
+                f"card, which names its own weights: unset backbone.pretrained, or import those weights into a card "
+                f"of their own (`fewclip import`)")
+        if cfg.geometry is not None:
+            raise BackboneError(f"backbone.geometry applies to open_clip architectures; the card {name} gives its "
+                                f"geometry (edit its geometry section instead)")
+        return load_card(cards.get(name, name), cfg)
     import open_clip
 
     if name in open_clip.list_models():
         return load_open_clip(cfg)
     raise BackboneError(
-        f"unknown backbone {name!r}: not a card file, not a shipped card ({', '.join(cards) or 'none shipped'}), "
-        f"and not an open_clip architecture. `fewclip backbones` lists what can be loaded."
+        f"unknown backbone {name!r}: not a card file or folder, not a shipped card "
+        f"({', '.join(cards) or 'none shipped'}), and not an open_clip architecture. `fewclip backbones` lists "
+        f"what can be loaded."
     )
 
 

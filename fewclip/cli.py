@@ -28,6 +28,9 @@ commands:
   export       a CoOp run as one prompt file: fewclip export runs/coop -o prompts.safetensors [nearest=3];
                a LoRA run as a folder (peft format): fewclip export runs/lora [merge=true]
   predict      classify images with a prompt file or LoRA export: fewclip predict prompts=prompts.safetensors a.jpg
+  import       an authors' checkpoint as a backbone card folder: fewclip import meru meru_vit_s.pth
+               arch=vit_small_mocov3_patch16_224 out=cards/meru-s, then backbone=cards/meru-s
+               (formats meru, hycoclip, euclip, openai, open_clip; `fewclip import` alone lists their options)
 
 Overrides use omegaconf dotlist syntax (data.templates=single); backbone=NAME,
 data=NAME and adapter=NAME set that section's name. `fewclip COMMAND --help`
@@ -74,7 +77,9 @@ def cmd_backbones(args: Sequence[str]) -> int:
     print(_table(shown, ["name", "geometry", "weights"]))
     if not show_all:
         print(f"... {len(oc)} architectures in all; `fewclip backbones --all` lists every one.")
-    print("\nA backbone card (a YAML file) describes any other checkpoint: backbone=path/to/card.yaml")
+    print("\nA backbone card (a YAML file) describes any other checkpoint: backbone=path/to/card.yaml;\n"
+          "`fewclip import` makes a card folder from MERU, HyCoCLIP, EuCLIP, OpenAI and open_clip checkpoints: "
+          "backbone=DIR")
     return 0
 
 
@@ -243,6 +248,16 @@ def cmd_predict(args: Sequence[str]) -> int:
     return 0
 
 
+def cmd_import(args: Sequence[str]) -> int:
+    from .formats import formats_usage, import_from_args
+
+    if not args:
+        print("usage: fewclip import FORMAT CHECKPOINT out=DIR [key=value ...]\n\nformats:\n" + formats_usage())
+        return 0
+    print(import_from_args(args))
+    return 0
+
+
 COMMANDS: Dict[str, Callable[[Sequence[str]], int]] = {
     "backbones": cmd_backbones,
     "datasets": cmd_datasets,
@@ -253,6 +268,7 @@ COMMANDS: Dict[str, Callable[[Sequence[str]], int]] = {
     "report": cmd_report,
     "export": cmd_export,
     "predict": cmd_predict,
+    "import": cmd_import,
 }
 def _train_defaults(args: Sequence[str] = ()):
     """The train config with the given arguments (`fewclip train adapter=lora --help` shows LoRA's

@@ -150,16 +150,17 @@ def lorentz_distance(x: Tensor, y: Tensor, curv: float | Tensor, eps: float = 1e
     return torch.log1p(u + torch.sqrt(u) * torch.sqrt(u + 2.0)) / torch.sqrt(c)
 
 
-def exp_map0(v: Tensor, curv: float | Tensor, eps: float = 1e-8) -> Tensor:
+def exp_map0(v: Tensor, curv: float | Tensor, eps: float = 1e-8, clamp: bool = True) -> Tensor:
     """Exponential map at the hyperboloid origin; tangent vector [..., D] -> space part [..., D].
 
     ``sinh(r) v / r`` with ``r = sqrt(c) ||v||``, clamped as in MERU: ``r``
-    at least ``eps`` (the zero vector maps to zero, Jacobian ~identity) and
-    ``sinh``'s input at most ``asinh(2^15)`` (huge inputs stay finite).
+    at least ``eps`` (the zero vector maps to zero, Jacobian ~identity) and,
+    with ``clamp``, ``sinh``'s input at most ``asinh(2^15)`` (huge inputs stay
+    finite). EuCLIP's exponential map has no such cap (``clamp=False``).
     """
     c = _as_tensor(curv, v)
     r = _clamped_norm(torch.sqrt(c) * v, eps)  # [..., 1]
-    return torch.sinh(r.clamp_max(_SINH_INPUT_MAX)) * v / r
+    return torch.sinh(r.clamp_max(_SINH_INPUT_MAX) if clamp else r) * v / r
 
 
 def log_map0(x: Tensor, curv: float | Tensor, eps: float = 1e-8) -> Tensor:
@@ -418,9 +419,12 @@ class HyperbolicGeometry(Geometry):
         curvature: float = 1.0,
         alpha_image: float = 1.0,
         alpha_text: float = 1.0,
+        exp_map_clamp: bool = True,
         learnable: bool = False,
     ):
         super().__init__(logit_scale=logit_scale, learnable=learnable)
+        # MERU caps the exponential map's sinh input at asinh(2^15); EuCLIP (Chou et al., 2024) does not.
+        self.exp_map_clamp = bool(exp_map_clamp)
         self._curvature_init = _check_positive("curvature", curvature)
         self.log_curvature = self._parameter(math.log(self._curvature_init))
         self.log_alpha_image = self._parameter(math.log(_check_positive("alpha_image", alpha_image)))
@@ -445,15 +449,16 @@ class HyperbolicGeometry(Geometry):
             "curvature": self.curvature.item(),
             "alpha_image": self.log_alpha_image.exp().item(),
             "alpha_text": self.log_alpha_text.exp().item(),
+            **({} if self.exp_map_clamp else {"exp_map_clamp": False}),
         }
 
     def _embed(self, raw: Tensor, modality: str) -> Tensor:
         log_alpha = self.log_alpha_image if modality == "image" else self.log_alpha_text
-        return exp_map0(log_alpha.exp() * raw, self.curvature)
+        return exp_map0(log_alpha.exp() * raw, self.curvature, clamp=self.exp_map_clamp)
 
     def _prototype(self, emb: Tensor) -> Tensor:
         c = self.curvature
-        return exp_map0(log_map0(emb, c).mean(dim=1), c)  # [C, T, D] -> [C, D]
+        return exp_map0(log_map0(emb, c).mean(dim=1), c, clamp=self.exp_map_clamp)  # [C, T, D] -> [C, D]
 
     def _similarity(self, img: Tensor, proto: Tensor) -> Tensor:
         dist = lorentz_distance(img, proto, self.curvature)

@@ -88,3 +88,102 @@ class WordTokenizer:
         if d.get("type") != "word" or "vocab" not in d:
             raise ValueError(f"{path} is not a fewclip word-tokenizer file (expected keys 'type': 'word', 'vocab')")
         return cls(d["vocab"], int(d.get("context_length", 24)))
+
+
+# ---------------------------------------------------------------------------
+# Hugging Face tokenizers (SigLIP and other open_clip models that name one)
+# ---------------------------------------------------------------------------
+
+
+class HFTextTokenizer:
+    """open_clip's ``HFTokenizer`` with the interface prompt learning needs.
+
+    ``__call__`` is open_clip's (its text cleaning, padding to the context length, truncation).
+    ``encode`` gives the ids of a text without special tokens, after the same cleaning;
+    ``start_ids`` / ``end_ids`` are the special tokens the tokenizer puts around every text (an
+    empty ``start_ids`` for tokenizers without a start token, such as SigLIP's);
+    ``pad_token_id`` is what it pads with. ``sot_token_id`` / ``eot_token_id`` are the single
+    start / end ids where there is exactly one, else ``None``.
+    """
+
+    def __init__(self, oc_tokenizer, name: str):
+        self.oc = oc_tokenizer
+        self.hf = oc_tokenizer.tokenizer
+        self.name = name
+        self.context_length = oc_tokenizer.context_length
+        if getattr(oc_tokenizer, "tokenizer_mode", "") == "clips":
+            raise ValueError(f"tokenizer {name}: open_clip's 'clips' tokenizer mode is not supported")
+        probe = self.oc.clean_fn("a photo")
+        bare = list(self.hf(probe, add_special_tokens=False)["input_ids"])
+        full = list(self.hf(probe, add_special_tokens=True)["input_ids"])
+        at = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), None)
+        if not bare or at is None:
+            raise ValueError(f"tokenizer {name}: cannot tell its special tokens from the words "
+                             f"({full} with them, {bare} without)")
+        sep = self.hf.sep_token_id if getattr(oc_tokenizer, "strip_sep_token", False) else None
+        swap = (lambda i: 0 if sep is not None and i == sep else i)  # open_clip turns stripped sep tokens into 0
+        self.start_ids = [swap(i) for i in full[:at]]
+        self.end_ids = [swap(i) for i in full[at + len(bare):]]
+        self.pad_token_id = self.hf.pad_token_id if self.hf.pad_token_id is not None else 0
+        self.sot_token_id = self.start_ids[0] if len(self.start_ids) == 1 else None
+        self.eot_token_id = self.end_ids[0] if len(self.end_ids) == 1 else None
+        self.vocab_size = len(self.hf)
+
+    def __call__(self, texts: Union[str, Sequence[str]], context_length: int | None = None) -> torch.LongTensor:
+        return self.oc(texts, context_length=context_length)
+
+    def encode(self, text: str) -> List[int]:
+        return list(self.hf(self.oc.clean_fn(text), add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=True)
+
+
+class TokenizerNotFound(ValueError):
+    """A Hugging Face tokenizer that is neither in the given folder nor in the local cache."""
+
+
+def load_hf_tokenizer(hub_id: str, folder: Union[str, Path, None], context_length: int,
+                      tokenizer_kwargs: dict | None = None, tokenizer_mode: str | None = None) -> HFTextTokenizer:
+    """The Hugging Face tokenizer ``hub_id`` from ``folder``, or else from the local Hugging Face cache.
+
+    Never goes online: a tokenizer that is not on this machine is a ``TokenizerNotFound``
+    naming ``hub_id`` and how to save it to a folder, raised at once (no download retries).
+    """
+    from open_clip.tokenizer import HFTokenizer
+
+    kwargs = dict(tokenizer_kwargs or {})
+    if folder is not None:
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise TokenizerNotFound(f"tokenizer folder {folder} does not exist (it should hold the files that "
+                                    f"AutoTokenizer.from_pretrained('{hub_id}').save_pretrained(FOLDER) writes)")
+        try:
+            oc = HFTokenizer(str(folder), context_length=context_length, tokenizer_mode=tokenizer_mode, **kwargs)
+        except Exception as e:
+            raise TokenizerNotFound(f"cannot load a Hugging Face tokenizer from {folder}: {type(e).__name__}: "
+                                    f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        return HFTextTokenizer(oc, hub_id)
+    cached = _cached_snapshot(hub_id)
+    if cached is not None:
+        try:
+            oc = HFTokenizer(cached, context_length=context_length, tokenizer_mode=tokenizer_mode, **kwargs)
+            return HFTextTokenizer(oc, hub_id)
+        except Exception:  # the cache holds the repository but not its tokenizer files (e.g. weights only)
+            pass
+    raise TokenizerNotFound(
+        f"this model uses the Hugging Face tokenizer '{hub_id}', which is not on this machine (fewclip looks "
+        f"in the local Hugging Face cache only and never downloads). Save it once where there is network: "
+        f"python -c \"from transformers import AutoTokenizer; "
+        f"AutoTokenizer.from_pretrained('{hub_id}').save_pretrained('tokenizer-dir')\", "
+        f"copy tokenizer-dir here and pass backbone.tokenizer=tokenizer-dir")
+
+
+def _cached_snapshot(hub_id: str) -> str | None:
+    """The local Hugging Face cache folder of ``hub_id``, looked up offline; ``None`` when absent."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(hub_id, local_files_only=True)
+    except Exception:
+        return None

@@ -254,7 +254,7 @@ def _other_vocab(card, folder):
     (lambda c, _: c.update(architecture="ViT-B-32"), "exactly one of 'architecture'"),
     (lambda c, _: c["geometry"].update(curvature=1.0), r"does not take \['curvature'\]"),
     (lambda c, _: c["geometry"].update(name="flat"), "unknown geometry 'flat'"),
-    (lambda c, _: c["tokenizer"].update(type="sentencepiece"), "tokenizer type must be 'word' or 'open_clip'"),
+    (lambda c, _: c["tokenizer"].update(type="sentencepiece"), "tokenizer type must be 'word', 'open_clip' or 'hf'"),
     (lambda c, _: c["tokenizer"].update(file="gone.json"), "tokenizer file not found"),
     (_other_vocab, "vocab2.json has 15 tokens but the model's text_cfg.vocab_size is 14"),
 ], ids=["unknown-key", "no-geometry", "two-architectures", "geometry-param", "geometry-name", "tokenizer-type",
@@ -273,7 +273,7 @@ def test_card_not_found_and_card_with_pretrained(tmp_path):
     with pytest.raises(BackboneError, match="backbone card not found"):
         load_backbone(BackboneConfig(name=str(tmp_path / "nope.yaml")))
     card = word_card(tmp_path)
-    with pytest.raises(BackboneError, match="a card names its own weights"):
+    with pytest.raises(BackboneError, match="is a card, which names its own weights"):
         load_backbone(BackboneConfig(name=card, pretrained="openai"))
 
 
@@ -383,8 +383,18 @@ def test_open_clip_geometry_follows_the_model(tiny_arch):
     siglip = load_backbone(BackboneConfig(name="fewclip-test-tiny-bias", pretrained="none", device="cpu"))
     assert siglip.geometry.name == "sigmoid"
     assert siglip.geometry.params() == pytest.approx({"logit_scale": 1 / 0.07, "logit_bias": -7.0}, rel=1e-6)
-    hyper = load_backbone(BackboneConfig(name=tiny_arch, pretrained="none", geometry="hyperbolic", device="cpu"))
-    assert hyper.geometry.name == "hyperbolic"
+    # EuCLIP's names for its geometries are accepted
+    euc = load_backbone(BackboneConfig(name=tiny_arch, pretrained="none", geometry="euclidean-squared", device="cpu"))
+    assert euc.geometry.name == "euclidean_sq" and euc.geometry.params() == pytest.approx({"logit_scale": 1 / 0.07})
+    # a hyperbolic geometry needs a curvature and alphas that an open_clip architecture does not carry: an
+    # error naming the fix, never curvature 1 and alpha 1
+    for name in ("hyperbolic", "hyperbolic-squared"):
+        with pytest.raises(BackboneError, match=r"needs a curvature.*curvature 1 and alpha 1.*fewclip import euclip"):
+            load_backbone(BackboneConfig(name=tiny_arch, pretrained="none", geometry=name, device="cpu"))
+    with pytest.raises(BackboneError, match="sigmoid needs a logit bias"):
+        load_backbone(BackboneConfig(name=tiny_arch, pretrained="none", geometry="sigmoid", device="cpu"))
+    with pytest.raises(BackboneError, match="euclidean-inner.*has no fewclip geometry"):
+        load_backbone(BackboneConfig(name=tiny_arch, pretrained="none", geometry="euclidean-inner", device="cpu"))
     with pytest.raises(BackboneError, match="backbone.geometry.*unknown geometry 'flat'"):
         load_backbone(BackboneConfig(name=tiny_arch, pretrained="none", geometry="flat", device="cpu"))
 

@@ -1,6 +1,7 @@
 """CoOp pinned down: word init reproduces zero-shot on every geometry and tower, truncation is exact,
 only the context trains, and a saved context is the whole adapter."""
 import copy
+import math
 
 import open_clip
 import pytest
@@ -44,6 +45,9 @@ def write_card(folder, name: str, model_cfg: dict, geometry: dict, seed: int = 0
     """A random-init open_clip model saved as safetensors plus a card using open_clip's BPE tokenizer."""
     torch.manual_seed(seed)
     model = build_open_clip_model(copy.deepcopy(model_cfg))
+    # The weights hold the card's logit scale, as a trained checkpoint does (fewclip checks that they agree).
+    geometry = {"logit_scale": float(model.logit_scale.detach().exp()), **geometry}
+    model.logit_scale.data.fill_(math.log(geometry["logit_scale"]))
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / f"{name}.safetensors"))
     card = {"name": name, "model_config": model_cfg, "weights": f"{name}.safetensors",
             "tokenizer": {"type": "open_clip"}, "geometry": geometry}

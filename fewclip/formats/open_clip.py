@@ -1,0 +1,168 @@
+"""open_clip checkpoints: a bare state dict, or open_clip_train's ``{"epoch", "name", "state_dict", ...}``.
+
+open_clip_train saves the DistributedDataParallel state dict (``module.`` prefixes) under
+``state_dict`` with the epoch, the run name and the optimizer; the model's name is not
+in the file, so ``model=`` (an open_clip architecture) or ``model_config=`` (its JSON) is
+required. The geometry is open_clip's: cosine, or sigmoid where the weights hold a
+``logit_bias`` (SigLIP), with the logit scale (stored as its log) and bias read from the
+weights. A model that names a Hugging Face tokenizer gets it from ``tokenizer=DIR`` or the
+local Hugging Face cache, saved into the card folder.
+
+The helpers here are shared with the EuCLIP format (the paper's open_clip fork).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..backbones import (EUCLIP_GEOMETRY_KEYS, OPENAI_EXTRA_KEYS, OPENAI_MEAN, OPENAI_STD, BackboneError,
+                         model_tokenizer, published_image_stats, read_checkpoint)
+from . import CheckpointImportError, Format, Imported, register_format
+
+
+def open_clip_state_dict(path: Path) -> Dict[str, torch.Tensor]:
+    """The state dict of an open_clip checkpoint: bare, or open_clip_train's wrapper, ``module.`` stripped."""
+    ck = read_checkpoint(path)
+    sd = ck["state_dict"] if isinstance(ck, dict) and isinstance(ck.get("state_dict"), dict) else ck
+    if not isinstance(sd, dict) or not sd or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        keys = list(ck)[:6] if isinstance(ck, dict) else type(ck).__name__
+        raise CheckpointImportError(f"{path} does not hold an open_clip state dict (bare, or under 'state_dict' as "
+                                    f"open_clip_train saves it); found {keys}")
+    if all(k.startswith("module.") for k in sd):
+        sd = {k[len("module."):]: v for k, v in sd.items()}
+    return dict(sd)
+
+
+def _translate_final_layernorm(cfg: Dict[str, Any], where: str) -> Tuple[Dict[str, Any], bool]:
+    """The EuCLIP fork's ``final_layernorm`` keys (vision_cfg, text_cfg) -> the card's ``final_ln``."""
+    cfg = {**cfg, "vision_cfg": dict(cfg.get("vision_cfg", {})), "text_cfg": dict(cfg.get("text_cfg", {}))}
+    flags = {t: cfg[f"{t}_cfg"].pop("final_layernorm", True) for t in ("vision", "text")}
+    if flags["vision"] != flags["text"]:
+        raise CheckpointImportError(f"{where}: final_layernorm is {flags['vision']} for the image tower and "
+                                    f"{flags['text']} for the text tower; fewclip's final_ln applies to both")
+    return cfg, bool(flags["vision"])
+
+
+def resolve_model(options: Dict[str, str]) -> Tuple[Dict[str, Any], Dict[str, Any], bool, List[str]]:
+    """(card architecture entry, model config, final_ln, notes) from ``model=`` or ``model_config=``.
+
+    ``model=`` is an open_clip architecture, or one of the EuCLIP fork's ``ARCH-no-final-ln``
+    configs (ARCH without the final LayerNorms); ``model_config=`` a model-config JSON, the
+    fork's ``final_layernorm`` keys included.
+    """
+    from open_clip.factory import get_model_config
+
+    if ("model" in options) == ("model_config" in options):
+        raise CheckpointImportError("give the architecture the checkpoint was trained with: model=ARCH (an open_clip "
+                                    "name, as passed to --model) or model_config=FILE.json (its model config)")
+    if "model_config" in options:
+        p = Path(options["model_config"])
+        if not p.is_file():
+            raise CheckpointImportError(f"model_config file not found: {p}")
+        raw = json.loads(p.read_text(encoding="utf-8"))
+        cfg, final_ln = _translate_final_layernorm(raw.get("model_cfg", raw), str(p))
+        return {"model_config": cfg}, cfg, final_ln, [f"architecture: model config {p}"]
+    name = options["model"]
+    cfg = get_model_config(name)
+    if cfg is not None:
+        cfg, final_ln = _translate_final_layernorm(cfg, name)
+        return {"architecture": name}, cfg, final_ln, [f"architecture: open_clip {name}"]
+    base = name[: -len("-no-final-ln")] if name.endswith("-no-final-ln") else None
+    if base and get_model_config(base) is not None:
+        cfg, _ = _translate_final_layernorm(get_model_config(base), base)
+        return ({"architecture": base}, cfg, False,
+                [f"architecture: {name} = open_clip {base} without the final LayerNorms (the EuCLIP fork's config)"])
+    raise CheckpointImportError(f"model={name} is not an open_clip architecture (`fewclip backbones --all` lists "
+                                f"them); for a config of your own give model_config=FILE.json")
+
+
+def check_open_clip_keys(sd: Dict[str, torch.Tensor], model_cfg: Dict[str, Any], path: Path, fmt: str):
+    """Refuse the layouts of other formats; drop OpenAI's extra keys under a QuickGELU config."""
+    if fmt == "open_clip" and any(k in sd for k in EUCLIP_GEOMETRY_KEYS):
+        raise CheckpointImportError(
+            f"{path} holds EuCLIP's hyperbolic parameters ({', '.join(EUCLIP_GEOMETRY_KEYS)}): import it with "
+            f"`fewclip import euclip {path} model=... geometry=...`")
+    if any(k in sd for k in OPENAI_EXTRA_KEYS):
+        if not model_cfg.get("quick_gelu", False):
+            raise CheckpointImportError(
+                f"{path} is an OpenAI CLIP checkpoint (it carries {', '.join(OPENAI_EXTRA_KEYS)}), whose towers use "
+                f"QuickGELU; this model config uses GELU. Import it with `fewclip import openai {path} out=DIR`, or "
+                f"name the -quickgelu architecture")
+        sd = {k: v for k, v in sd.items() if k not in OPENAI_EXTRA_KEYS}
+    return sd
+
+
+def read_tokenizer(model_cfg: Dict[str, Any], arch: Optional[str], options: Dict[str, str], where: str):
+    """(card tokenizer section, HF tokenizer to save or None, note) for an open_clip model config."""
+    try:
+        tok, spec = model_tokenizer(model_cfg, arch, options.get("tokenizer"), where)
+    except BackboneError as e:
+        raise CheckpointImportError(str(e).replace("backbone.tokenizer=", "tokenizer=")) from None
+    if spec["type"] == "hf":
+        return {"type": "hf", "name": spec["name"]}, tok.hf, f"tokenizer: Hugging Face {spec['name']}, saved here"
+    return {"type": "open_clip", **({"name": arch} if arch else {})}, None, "tokenizer: open_clip's CLIP BPE"
+
+
+def preprocess(model_cfg: Dict[str, Any], options: Dict[str, str], arch: Optional[str]) -> Tuple[Dict, str]:
+    """Mean and std: ``mean=``/``std=``, else the model config's, else open_clip_train's default (OpenAI's).
+
+    Where an open_clip pretrained tag of this architecture uses other values (SigLIP's 0.5), a
+    file of those weights and a checkpoint trained from scratch cannot be told apart: then
+    ``mean=``/``std=`` are required.
+    """
+    if ("mean" in options) != ("std" in options):
+        raise CheckpointImportError("give both mean=R,G,B and std=R,G,B, or neither")
+    if "mean" in options:
+        try:
+            vals = [[float(x) for x in options[k].split(",")] for k in ("mean", "std")]
+        except ValueError:
+            vals = []
+        if len(vals) != 2 or any(len(v) != 3 for v in vals):
+            raise CheckpointImportError("mean= and std= take three comma-separated numbers")
+        return {"mean": vals[0], "std": vals[1]}, "preprocessing: mean/std as given"
+    pre = model_cfg.get("preprocess_cfg") or {}
+    mean, std = list(pre.get("mean", OPENAI_MEAN)), list(pre.get("std", OPENAI_STD))
+    others = published_image_stats(arch, mean, std) if arch else []
+    if others:
+        raise CheckpointImportError(
+            f"open_clip's published weights for {arch} use other image statistics ({'; '.join(others)}) than its "
+            f"config ({mean}, {std}); say which the checkpoint was trained with: mean=R,G,B std=R,G,B")
+    return {"mean": mean, "std": std}, f"preprocessing: mean {mean} std {std} (model config / open_clip default)"
+
+
+def read_open_clip(path: Path, options: Dict[str, str]) -> Imported:
+    arch_entry, model_cfg, final_ln, notes = resolve_model(options)
+    if not final_ln:
+        raise CheckpointImportError("a model without final LayerNorms is EuCLIP's recipe: import it with "
+                                    "`fewclip import euclip ... geometry=...`")
+    arch = arch_entry.get("architecture")
+    tok_card, hf_tok, tok_note = read_tokenizer(model_cfg, arch, options, f"model {arch or options.get('model_config')}")
+    sd = check_open_clip_keys(open_clip_state_dict(path), model_cfg, path, "open_clip")
+    pre, pre_note = preprocess(model_cfg, options, arch)
+    scale = math.exp(float(sd["logit_scale"].float().reshape(-1)[0]))
+    if "logit_bias" in sd:
+        geometry = {"name": "sigmoid", "logit_scale": scale, "logit_bias": float(sd["logit_bias"].float().reshape(-1)[0])}
+    else:
+        geometry = {"name": "clip", "logit_scale": scale}
+    notes += [f"geometry: {geometry['name']}, logit scale (and bias) from the weights", tok_note, pre_note]
+    card = {"description": f"imported from {path.name} (open_clip)", **arch_entry, "tokenizer": tok_card,
+            "geometry": geometry, "preprocess": pre}
+    return Imported(weights=sd, card=card, notes=notes, hf_tokenizer=hf_tok)
+
+
+register_format(Format(
+    name="open_clip",
+    read=read_open_clip,
+    options={
+        "model": "the open_clip architecture it was trained as (--model), e.g. ViT-B-32 or ViT-B-16-SigLIP",
+        "model_config": "instead of model=: the model-config JSON it was trained with",
+        "tokenizer": "a folder holding the Hugging Face tokenizer the model names (SigLIP, ...), if not in the cache",
+        "mean": "image mean R,G,B (default: the model config's, or OpenAI's as open_clip_train uses)",
+        "std": "image std R,G,B",
+    },
+    summary="open_clip files: bare state dicts or open_clip_train checkpoints ({'state_dict': ...}, module. keys)",
+))
