@@ -22,6 +22,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from open_clip.transformer import ResidualAttentionBlock, text_global_pool
 
+from .base import AdapterError
+
 
 class TextTower:
     """Public pieces of the text tower of an open_clip ``CLIP`` or ``CustomTextCLIP``."""
@@ -29,10 +31,10 @@ class TextTower:
     def __init__(self, model: nn.Module, tokenizer):
         t = model.text if hasattr(model, "text") else model
         if getattr(t, "cls_emb", None) is not None:
-            raise ValueError("text towers with an appended class embedding (CoCa) are not supported by prompt learning")
+            raise AdapterError("text towers with an appended class embedding (CoCa) are not supported by prompt learning")
         if not hasattr(t, "token_embedding"):
-            raise ValueError("this backbone's text tower (e.g. a Hugging Face model) exposes no token embedding; "
-                             "prompt learning needs an open_clip TextTransformer")
+            raise AdapterError("this backbone's text tower (e.g. a Hugging Face model) exposes no token embedding; "
+                               "prompt learning needs an open_clip TextTransformer")
         self.token_embedding = t.token_embedding
         self.positional_embedding = t.positional_embedding
         self.transformer = t.transformer
@@ -47,8 +49,8 @@ class TextTower:
         self.width = int(self.token_embedding.weight.shape[1])
         self.tokenizer = tokenizer
         if not hasattr(tokenizer, "encode") or not hasattr(tokenizer, "sot_token_id"):
-            raise ValueError("prompt learning needs a tokenizer with encode(), sot_token_id and eot_token_id "
-                             "(open_clip's SimpleTokenizer or fewclip's WordTokenizer)")
+            raise AdapterError("prompt learning needs a tokenizer with encode(), sot_token_id and eot_token_id "
+                               "(open_clip's SimpleTokenizer or fewclip's WordTokenizer)")
 
     @property
     def causal(self) -> bool:
