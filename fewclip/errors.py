@@ -27,10 +27,11 @@ def input_errors() -> tuple:
     from .backbones import BackboneError
     from .config import ConfigError
     from .export import ExportError
-    from .records import RunExistsError
+    from .records import RunDirError, RunExistsError
     from .report import NoRunsFoundError
 
-    return (ConfigError, BackboneError, DatasetError, ExportError, NoRunsFoundError, AdapterError, RunExistsError)
+    return (ConfigError, BackboneError, DatasetError, ExportError, NoRunsFoundError, AdapterError, RunExistsError,
+            RunDirError)
 
 
 @functools.lru_cache(maxsize=None)

@@ -81,6 +81,10 @@ class RunError(RuntimeError):
     """A run that cannot start or cannot be recorded as finished; the message says what to do."""
 
 
+class RunDirError(RunError):
+    """An output folder that cannot be one: a file in the way, or a place where no folder can be made."""
+
+
 class RunLockedError(RunError):
     """Another live process holds the run directory's lock."""
 
@@ -377,17 +381,17 @@ def make_record(run_dir: Path, metrics: Mapping[str, Any], identity: Identity, f
 
 
 def prepare_dir(path: str | os.PathLike, what: str = "out") -> Path:
-    """Create the output folder ``path``; a file in the way, or an unwritable place, is a RunError."""
+    """Create the output folder ``path``; a file in the way, or an unwritable place, is a RunDirError."""
     path = Path(path)
     for p in (path, *path.parents):
         if p.exists() and not p.is_dir():
-            raise RunError(f"{what}={str(path)!r}: {p} is a file, not a folder; give {what}= a folder path")
+            raise RunDirError(f"{what}={str(path)!r}: {p} is a file, not a folder; give {what}= a folder path")
         if p.is_dir():
             break
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise RunError(f"cannot create the folder {what}={str(path)!r}: {e.strerror}; choose a writable "
+        raise RunDirError(f"cannot create the folder {what}={str(path)!r}: {e.strerror}; choose a writable "
                        f"location for {what}=") from None
     return path
 
@@ -419,16 +423,21 @@ def remove_leftovers(folder: str | os.PathLike) -> int:
 
 def clear_run(run_dir: str | os.PathLike) -> None:
     """Remove a run's files (``metrics.json`` first, made durable, so that a kill half-way leaves an
-    unfinished run), what ``fewclip export`` derived from it, and leftover temporary files."""
+    unfinished run; then ``RUN_FILES`` and the files its record vouches for), what ``fewclip export``
+    derived from it, and leftover temporary files. Other files in the folder stay."""
     import shutil
 
     from .io import fsync_dir
 
     run_dir = Path(run_dir)
+    record = (read_metrics(run_dir) or {}).get(RECORD_KEY)
+    vouched = record.get("files") if isinstance(record, dict) else None
+    named = [n for n in (vouched if isinstance(vouched, dict) else ())
+             if isinstance(n, str) and n == Path(n).name and n not in ("", ".", "..")]
     if (run_dir / METRICS_FILE).exists():
         os.unlink(run_dir / METRICS_FILE)
         fsync_dir(run_dir)
-    for name in (*RUN_FILES[1:], *DERIVED_FILES):
+    for name in dict.fromkeys([*RUN_FILES[1:], *named, *DERIVED_FILES]):
         p = run_dir / name
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
@@ -548,15 +557,15 @@ class RunLock:
     def is_stale(self, info: LockInfo) -> bool:
         same_host = info.host == socket.gethostname()
         same_boot = not info.boot_id or not _boot_id() or info.boot_id == _boot_id()
-        if same_host and same_boot:
+        if same_host and not same_boot:  # the host rebooted since: its processes are gone
+            return True
+        if same_host and os.name == "posix":  # (on Windows os.kill(pid, 0) would send a Ctrl-C: use the age)
             if info.pid == os.getpid():
                 return False
             if not _pid_alive(info.pid):
                 return True
             start = _process_start(info.pid)
             return bool(info.pid_start and start and start != info.pid_start)  # the pid was reused
-        if same_host:  # the host rebooted since: its processes are gone
-            return True
         return time.time() - info.mtime > self.stale_after_s
 
     # -- acquire / release -------------------------------------------------
