@@ -38,7 +38,7 @@ variable ``FEWCLIP_LOCK_TIMEOUT_S``; choose it well above the clock skew between
 The API that sweeps and distributed workers build on::
 
     lock = claim_run(run_dir)             # "try to claim run X": a held RunLock, or None if busy
-    run_state(run_dir, identity).finished # "is run X finished, valid and this config's"
+    is_finished(run_dir, identity)        # "is run X finished, valid and this config's" (run_state: why not)
     lock.release()                        # "release" (RunLock is also a context manager)
 
 and :func:`open_run` puts them together around one run (refuse or clean, then :meth:`Run.finish`).
@@ -360,6 +360,11 @@ def run_state(run_dir: str | os.PathLike, identity: Optional[Identity] = None) -
     return RunState("finished", "", metrics)
 
 
+def is_finished(run_dir: str | os.PathLike, identity: Optional[Identity] = None) -> bool:
+    """Is run ``run_dir`` finished and valid (and, given ``identity``, this identity's)?"""
+    return run_state(run_dir, identity).finished
+
+
 def make_record(run_dir: Path, metrics: Mapping[str, Any], identity: Identity, files: Sequence[str]) -> Dict[str, Any]:
     from . import __version__
 
@@ -392,7 +397,7 @@ def prepare_dir(path: str | os.PathLike, what: str = "out") -> Path:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise RunDirError(f"cannot create the folder {what}={str(path)!r}: {e.strerror}; choose a writable "
-                       f"location for {what}=") from None
+                          f"location for {what}=") from None
     return path
 
 
@@ -433,7 +438,7 @@ def clear_run(run_dir: str | os.PathLike) -> None:
     record = (read_metrics(run_dir) or {}).get(RECORD_KEY)
     vouched = record.get("files") if isinstance(record, dict) else None
     named = [n for n in (vouched if isinstance(vouched, dict) else ())
-             if isinstance(n, str) and n == Path(n).name and n not in ("", ".", "..")]
+             if isinstance(n, str) and n == Path(n).name and n not in ("", ".", "..", LOCK_FILE, METRICS_FILE)]
     if (run_dir / METRICS_FILE).exists():
         os.unlink(run_dir / METRICS_FILE)
         fsync_dir(run_dir)
@@ -489,11 +494,12 @@ def _pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's live process
+    except OSError:  # e.g. another user's live process
         return True
-    except OSError:
+    try:  # a zombie (killed, not yet reaped by its parent) is gone too
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
         return True
-    return True
 
 
 @dataclass(frozen=True)
@@ -607,21 +613,24 @@ class RunLock:
             return True
         return False
 
-    def _break(self, info: LockInfo) -> None:
-        """Remove the stale lock ``info``; if it was replaced meanwhile, put the fresh one back."""
+    def _break(self, info: Optional[LockInfo]) -> None:
+        """Remove the stale lock ``info`` (None: a damaged lock file); if it was replaced by a fresh lock
+        since it was judged, put that one back."""
         aside = self.folder / f"{LOCK_FILE}.{uuid.uuid4().hex}.broken"
         try:
             os.rename(self.path, aside)
         except FileNotFoundError:
             return
         moved = read_lock(aside)
-        if moved is not None and moved.token != info.token:  # a fresh lock: restore it
+        if moved is not None and (info is None or moved.token != info.token):  # a fresh lock: restore it
             try:
                 os.link(aside, self.path)
             except OSError:
                 pass
-        else:
+        elif info is not None:
             log.warning("%s: removed a stale lock of %s (the process is gone)", self.folder, info.describe())
+        else:
+            log.warning("%s: removed a damaged lock file, untouched for over %g s", self.folder, self.stale_after_s)
         try:
             os.unlink(aside)
         except FileNotFoundError:
@@ -642,7 +651,7 @@ class RunLock:
                 except FileNotFoundError:
                     continue
                 if age > self.stale_after_s:
-                    os.replace(self.path, self.folder / f"{LOCK_FILE}.{uuid.uuid4().hex}.broken")
+                    self._break(None)
                     continue
                 time.sleep(0.05)
                 continue
@@ -710,6 +719,26 @@ def claim_run(run_dir: str | os.PathLike, *, stale_after_s: Optional[float] = No
     prepare_dir(run_dir, "run directory")
     lock = RunLock(run_dir, stale_after_s=stale_after_s)
     return lock if lock.try_acquire() else None
+
+
+def tidy(run_dir: str | os.PathLike, *, stale_after_s: Optional[float] = None) -> None:
+    """Remove a stale lock and leftover temporary files from ``run_dir`` (e.g. of a process killed after
+    it recorded its run, or during an export), unless a live process holds it."""
+    run_dir = Path(run_dir)
+    try:
+        names = [e.name for e in os.scandir(run_dir)]
+    except OSError:
+        return
+    if not any(n == LOCK_FILE or is_leftover(n) for n in names):
+        return
+    lock = RunLock(run_dir, stale_after_s=stale_after_s)
+    try:
+        if lock.try_acquire():
+            remove_leftovers(run_dir)
+    except OSError:  # an unwritable folder: nothing to tidy there
+        return
+    finally:
+        lock.release()
 
 
 # ---------------------------------------------------------------------------

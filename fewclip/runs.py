@@ -31,7 +31,7 @@ from .features import extract_features
 from .io import atomic_write
 from .errors import user_errors
 from .records import (Identity, Run, RunLock, RunState, claim_run, data_part, open_run, prepare_dir,
-                      remove_leftovers, run_identity, run_state, weights_checksum)
+                      remove_leftovers, run_identity, run_state, tidy, weights_checksum)
 from .zeroshot import evaluate_zeroshot, test_items
 
 log = logging.getLogger(__name__)
@@ -349,6 +349,9 @@ def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, int
         except user_errors() as e:
             raise _in_run(e, r) from e
         plans.append(_Planned(r, c, identity, run_state(out / r["dir"], identity)))
+    for p in plans:
+        if p.state.finished:  # a lock or temporary file left by a process killed after it finished the run
+            tidy(out / p.run["dir"], stale_after_s=cfg.lock_timeout_s)
     todo = [p for p in plans if not p.state.finished]
     counts = {"planned": len(runs), "done_before": len(runs) - len(todo), "ran": 0, "rerun": 0, "by_others": 0,
               "failed": 0, "replaced": 0}

@@ -233,7 +233,6 @@ def test_as_a_subprocess(files, tmp_path):
     cases = [
         (["sweep", str(files["bad_yaml"]), f"out={tmp_path / 's'}"], 2, "YAML syntax error"),
         (["sweep", str(files["evil_sweep"]), f"out={tmp_path / 's'}"], 2, "not allowed"),
-        (["report", str(tmp_path / "missing")], 2, "does not exist"),
         (["train", f"out={files['a_file']}"], 2, "is a file, not a folder"),
         (["zeroshot", *TINY, f"out={tmp_path / 'z'}"], 1, "file too large writing"),
     ]

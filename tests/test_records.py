@@ -386,3 +386,36 @@ def test_prepare_dir_refuses_a_file(tmp_path):
         records.prepare_dir(tmp_path / "f")
     with pytest.raises(records.RunError, match="is a file, not a folder"):
         records.prepare_dir(tmp_path / "f" / "sub")
+
+
+def test_tidy_removes_a_dead_processes_lock_and_leftovers_only(tmp_path):
+    d = finish(tmp_path / "run", ident())
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    write_lock(d / records.LOCK_FILE, pid=int(proc.stdout), pid_start=None)  # killed after it recorded the run
+    (d / ".prompts.safetensors.x1.tmp").write_text("")  # killed during an export
+    records.tidy(d)
+    assert sorted(p.name for p in d.iterdir()) == ["adapter.bin", "config.yaml", "metrics.json"]
+    assert records.is_finished(d, ident())
+    live = RunLock(d)
+    assert live.try_acquire()
+    (d / ".metrics.json.x2.tmp").write_text("")  # a live holder's write in progress
+    records.tidy(d)
+    assert (d / ".metrics.json.x2.tmp").exists() and live.still_held()
+    live.release()
+
+
+def test_a_killed_but_unreaped_process_does_not_keep_its_lock(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    write_lock(tmp_path / records.LOCK_FILE, pid=proc.pid, pid_start=records._process_start(proc.pid))
+    assert not RunLock(tmp_path).try_acquire()
+    proc.kill()
+    for _ in range(100):  # a zombie until waited for
+        if records._process_start(proc.pid) is None or not records._pid_alive(proc.pid):
+            break
+        time.sleep(0.05)
+    try:
+        lock = RunLock(tmp_path)
+        assert lock.try_acquire()
+        lock.release()
+    finally:
+        proc.wait()

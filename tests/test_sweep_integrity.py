@@ -112,6 +112,26 @@ def test_export_refuses_a_run_whose_files_changed(tmp_path, capsys):
     assert not (run / "prompts.safetensors").exists()
 
 
+def test_train_into_a_finished_directory(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = ["train", "adapter=coop", "data=toy-shapes", "shots=1", "train.epochs=1", "train.augment_views=1",
+            "adapter.n_ctx=2", "data.max_test=8", "backbone.device=cpu", f"out={out}"]
+    assert main(args) == 0
+    first = (out / "metrics.json").read_bytes()
+    assert main(["export", str(out)]) == 0 and (out / "prompts.safetensors").is_file()
+    assert main([*args, "log_level=warning", "data.workers=0"]) == 0  # the same run: kept, not run again
+    assert (out / "metrics.json").read_bytes() == first
+    assert main([*args, "shots=2"]) == 2  # another run: refused, untouched
+    assert "overwrite=true" in capsys.readouterr().err
+    assert (out / "metrics.json").read_bytes() == first and (out / "prompts.safetensors").is_file()
+    assert main([*args, "shots=2", "overwrite=true"]) == 0
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["shots"] == 2 and "shots: 2" in (out / "config.yaml").read_text()
+    assert len(json.loads((out / "split.json").read_text())["train"]) == 16
+    assert not (out / "prompts.safetensors").exists()  # exported from the old run: removed with it
+    assert records.is_finished(out) and not leftovers(out)
+
+
 # ---------------------------------------------------------------- kills and concurrency
 
 # One driver process imports fewclip once and forks the sweeps: a kill -9 of a forked child is a real
