@@ -31,7 +31,8 @@ class TextTower:
     def __init__(self, model: nn.Module, tokenizer):
         t = model.text if hasattr(model, "text") else model
         if getattr(t, "cls_emb", None) is not None:
-            raise AdapterError("text towers with an appended class embedding (CoCa) are not supported by prompt learning")
+            raise AdapterError("text towers with an appended class embedding (CoCa) are not supported by prompt "
+                               "learning")
         if not hasattr(t, "token_embedding"):
             raise AdapterError("this backbone's text tower (e.g. a Hugging Face model) exposes no token embedding; "
                                "prompt learning needs an open_clip TextTransformer")

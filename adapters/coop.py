@@ -107,8 +107,8 @@ class CoOp(Adapter):
         for name, seq in zip(self.classnames, seqs):
             if tuple(seq) in seen:
                 raise AdapterError(f"class names {seen[tuple(seq)]!r} and {name!r} give the same tokens with the "
-                                   f"tokenizer of backbone {backbone.name!r} (e.g. unknown words all become its <unk> token), "
-                                   f"so the text tower cannot tell them apart; rename one of them")
+                                   f"tokenizer of backbone {backbone.name!r} (e.g. unknown words all become its "
+                                   f"<unk> token), so the text tower cannot tell them apart; rename one of them")
             seen[tuple(seq)] = name
         longest = max(len(s) for s in seqs)
         if longest > tower.context_length:

@@ -229,8 +229,8 @@ def _scan_folder(root: Path) -> Tuple[List[str], Dict[str, List[Item]]]:
     for i, n in enumerate(names):  # folders `a_b` and `a b` are one class name in the prompts
         twin = next((folders[j] for j in range(i) if names[j].lower() == n.lower()), None)
         if twin is not None:
-            raise _folder_error(f"class folders {twin!r} and {folders[i]!r} both give the class name {n!r}; "
-                                f"rename one of them")
+            raise DatasetError(f"class folders {twin!r} and {folders[i]!r} in data.root={str(root)!r} both give the "
+                               f"class name {n!r} (underscores become spaces); rename one of them")
     return names, splits
 
 

@@ -195,9 +195,9 @@ def train_gradient(adapter, train_views, val, classnames, cfg: TrainConfig, shot
                 logits = adapter(x)
             loss = F.cross_entropy(logits.float(), y)
             if not torch.isfinite(loss):  # stop: nothing non-finite is trained on, saved or recorded
-                raise NonFiniteError(f"the training loss became {float(loss.detach())} at step {step + 1} (epoch {epoch + 1}) "
-                                     f"of {adapter.name}; the run is stopped and not recorded. Lower train.lr "
-                                     f"(now {cfg.lr}) or check the data")
+                raise NonFiniteError(f"the training loss became {float(loss.detach())} at step {step + 1} "
+                                     f"(epoch {epoch + 1}) of {adapter.name}; the run is stopped and not recorded. "
+                                     f"Lower train.lr (now {cfg.lr}) or check the data")
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

@@ -71,7 +71,8 @@ def os_error_message(e: OSError) -> str:
     if code == errno.EISDIR:
         return f"{name} is a folder where a file is expected; give a file path"
     if code == errno.EEXIST:
-        return f"{name} already exists and is in the way (a file where a folder is needed?); move it or choose another path"
+        return (f"{name} already exists and is in the way (a file where a folder is needed?); move it or choose "
+                f"another path")
     if code == errno.ENOENT:
         return f"no such file or folder: {name}" if name else f"{e.strerror}"
     return f"{e.strerror or e}{':' + at if at else ''}"

@@ -264,6 +264,7 @@ def export_run(run_dir: Union[str, Path], out: Union[str, Path, None] = None, *,
     from .backbones import load_backbone
     from .config import ConfigError
     from .io import read_json
+    from .records import run_state
     from .runs import load_train_config
 
     run_dir = Path(run_dir)
@@ -283,8 +284,6 @@ def export_run(run_dir: Union[str, Path], out: Union[str, Path, None] = None, *,
     for f in ("adapter.safetensors", "split.json", "metrics.json"):
         if not (run_dir / f).is_file():
             raise ExportError(f"run {run_dir} is not finished: it has no {f}")
-    from .records import run_state
-
     state = run_state(run_dir)
     if not state.finished and state.kind != "legacy":  # runs of an older fewclip have no record to check
         raise ExportError(f"run {run_dir} is not a valid finished run: {state.reason}; run it again")

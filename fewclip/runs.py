@@ -365,7 +365,7 @@ def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, int
 
     cache = FeatureCache()
     bar = progress(total=len(todo), desc="sweep", unit="run")
-    pending = todo
+    pending, said = todo, None
     while pending:
         waiting = []
         for p in pending:
@@ -396,8 +396,10 @@ def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, int
             finally:
                 lock.release()
         if waiting and len(waiting) == len(pending):
-            log.info("sweep: waiting for %d run(s) held by other workers (e.g. %s)", len(waiting),
-                     waiting[0].run["dir"])
+            if said is None or time.monotonic() - said > 60:  # say it once a minute
+                log.info("sweep: waiting for %d run(s) held by other workers (e.g. %s)", len(waiting),
+                         waiting[0].run["dir"])
+                said = time.monotonic()
             time.sleep(poll_s)
         pending = waiting
     bar.close()
