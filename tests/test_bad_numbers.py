@@ -129,7 +129,7 @@ def test_folder_dataset_with_one_class_or_twin_folders(tmp_path):
         for c in (tmp_path / d).iterdir():
             for i in range(3):
                 Image.new("RGB", (8, 8)).save(c / f"{i}.png")
-    with pytest.raises(DatasetError, match="class folders 'big square' and 'big_square' both give the class name"):
+    with pytest.raises(DatasetError, match="class folders 'big square' and 'big_square' in data.root=.* both give the class name"):
         build_dataset(DataConfig(name="folder", root=str(tmp_path / "two")))
     with pytest.raises(DatasetError, match="at least 2 classes"):
         build_dataset(DataConfig(name="folder", root=str(tmp_path / "one")))
