@@ -3,5 +3,5 @@
 Each adapter registers itself with ``register_adapter`` next to its class;
 this file imports every adapter module explicitly.
 """
-from .base import ADAPTERS, Adapter, AdapterConfig, adapter_info, build_adapter, register_adapter
+from .base import ADAPTERS, Adapter, AdapterConfig, AdapterError, adapter_info, build_adapter, register_adapter
 from . import coop, linear_probe, lora  # noqa: F401  (registration)

@@ -30,6 +30,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from open_clip.transformer import ResidualAttentionBlock, text_global_pool
 
+from .base import AdapterError
+
 
 @dataclass(frozen=True)
 class PromptEnds:
@@ -58,10 +60,11 @@ class TextTower:
     def __init__(self, model: nn.Module, tokenizer):
         t = model.text if hasattr(model, "text") else model
         if getattr(t, "cls_emb", None) is not None:
-            raise ValueError("text towers with an appended class embedding (CoCa) are not supported by prompt learning")
+            raise AdapterError("text towers with an appended class embedding (CoCa) are not supported by prompt "
+                               "learning")
         if not hasattr(t, "token_embedding"):
-            raise ValueError("this backbone's text tower (e.g. a Hugging Face model) exposes no token embedding; "
-                             "prompt learning needs an open_clip TextTransformer")
+            raise AdapterError("this backbone's text tower (e.g. a Hugging Face model) exposes no token embedding; "
+                               "prompt learning needs an open_clip TextTransformer")
         self.token_embedding = t.token_embedding
         self.positional_embedding = t.positional_embedding
         self.transformer = t.transformer
@@ -77,9 +80,9 @@ class TextTower:
         self.width = int(self.token_embedding.weight.shape[1])
         self.tokenizer = tokenizer
         if not hasattr(tokenizer, "encode") or not (hasattr(tokenizer, "sot_token_id") or hasattr(tokenizer, "start_ids")):
-            raise ValueError("prompt learning needs a tokenizer with encode() and known start/end tokens "
-                             "(open_clip's SimpleTokenizer, fewclip's WordTokenizer, or a Hugging Face tokenizer "
-                             "loaded by fewclip)")
+            raise AdapterError("prompt learning needs a tokenizer with encode() and known start/end tokens "
+                               "(open_clip's SimpleTokenizer, fewclip's WordTokenizer, or a Hugging Face tokenizer "
+                               "loaded by fewclip)")
         self._ends = prompt_ends(tokenizer)
         self.pad_id = self._ends.pad  # what the tokenizer pads with: prompts must match its output
 

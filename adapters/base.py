@@ -25,6 +25,10 @@ import torch
 import torch.nn as nn
 
 
+class AdapterError(ValueError):
+    """An adapter that cannot be built for these class names or this backbone; the message says what to change."""
+
+
 @dataclass
 class AdapterConfig:
     """Base of every adapter's config section; ``name`` selects the adapter."""

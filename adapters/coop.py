@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 
 from ._text import TextTower, pad_sequences
-from .base import Adapter, AdapterConfig, register_adapter
+from .base import Adapter, AdapterConfig, AdapterError, register_adapter
 
 POSITIONS = ("end", "middle", "front")
 
@@ -72,7 +72,8 @@ class CoOp(Adapter):
         if cfg.ctx_init is not None:
             init_ids = tower.encode_words(cfg.ctx_init)
             if not init_ids:
-                raise ValueError(f"adapter.ctx_init={cfg.ctx_init!r} gives no tokens")
+                raise AdapterError(f"adapter.ctx_init={cfg.ctx_init!r} gives no tokens with this backbone's tokenizer; "
+                                   f"give words it knows, or null for a random context")
             n_ctx = len(init_ids)
         else:
             init_ids, n_ctx = None, cfg.n_ctx
@@ -88,7 +89,9 @@ class CoOp(Adapter):
         for name in self.classnames:
             name_ids = tower.encode_words(name)
             if not name_ids:
-                raise ValueError(f"class name {name!r} gives no tokens")
+                raise AdapterError(f"class name {name!r} gives no tokens with the tokenizer of backbone "
+                                   f"{backbone.name!r} (no word it can encode); rename the class with words, e.g. in "
+                                   f"the dataset's folder names or split file")
             if cfg.class_token_position == "end":
                 body = list(placeholder) + name_ids + dot
                 pos = list(range(n_start, n_start + n_ctx))
@@ -101,11 +104,19 @@ class CoOp(Adapter):
                                                                     n_start + n_ctx + len(name_ids)))
             seqs.append(ends.start + body + ends.end)
             ctx_pos.append(pos)
+        seen = {}
+        for name, seq in zip(self.classnames, seqs):
+            if tuple(seq) in seen:
+                raise AdapterError(f"class names {seen[tuple(seq)]!r} and {name!r} give the same tokens with the "
+                                   f"tokenizer of backbone {backbone.name!r} (e.g. unknown words all become its "
+                                   f"<unk> token), so the text tower cannot tell them apart; rename one of them")
+            seen[tuple(seq)] = name
         longest = max(len(s) for s in seqs)
         if longest > tower.context_length:
             worst = self.classnames[max(range(C), key=lambda i: len(seqs[i]))]
-            raise ValueError(f"the prompt for class {worst!r} has {longest} tokens, more than the text tower's "
-                             f"context length {tower.context_length}; use a smaller adapter.n_ctx")
+            raise AdapterError(f"the prompt for class {worst!r} has {longest} tokens, more than the text tower's "
+                               f"context length {tower.context_length}; use a smaller adapter.n_ctx or a shorter "
+                               f"class name")
         # Cut to the longest prompt where that is exact (causal mask, pooling at the end-of-text token).
         L = longest if tower.can_truncate else tower.context_length
         tokens = pad_sequences(seqs, L, pad_id=getattr(tower, "pad_id", 0))

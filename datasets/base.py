@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 from PIL import Image
 
@@ -59,6 +59,44 @@ class DataConfig:
             raise ValueError(f"data.max_test must be >= 1 or null (all test images), got {self.max_test}")
 
 
+def check_classnames(classnames: Sequence[str], what: str = "class names") -> List[str]:
+    """The class names as a list, refusing what cannot be a classification task: a bare string (which
+    would be split into characters), fewer than two classes (a one-class task scores 100%), empty
+    names, and names that differ only in case or spacing (tokenizers lower-case them: the prompts,
+    and so the classes, would be identical)."""
+    if isinstance(classnames, (str, bytes)):
+        raise DatasetError(f"{what}: expected a list of class names, got the string {classnames!r} (it would be split "
+                           f"into characters); pass [{classnames!r}] or a list of names")
+    names = list(classnames)
+    bad = [n for n in names if not isinstance(n, str) or not n.strip()]
+    if bad:
+        raise DatasetError(f"{what}: class names must be non-empty strings, got {bad[:3]!r}")
+    if len(names) < 2:
+        raise DatasetError(f"{what}: {len(names)} class ({', '.join(map(repr, names)) or 'none'}); classifying "
+                           f"needs at least 2 classes (with one, every prediction is right)")
+    seen: Dict[str, str] = {}
+    for n in names:
+        key = " ".join(n.lower().split())
+        if key in seen:
+            same = "twice" if seen[key] == n else f"and {seen[key]!r} (the same name for a tokenizer)"
+            raise DatasetError(f"{what}: the class name {n!r} occurs {same}; every class needs its own name")
+        seen[key] = n
+    return names
+
+
+def to_rgb(im: Image.Image) -> Image.Image:
+    """An RGB image. 16-bit grayscale (PIL mode ``I;16*``, or ``I`` for a PNG, as older Pillow opens
+    16-bit PNGs) is scaled to 8 bits (v / 257) where PIL's own conversion would clip it, turning most
+    images white."""
+    if im.mode.startswith("I;16") or (im.mode == "I" and im.format == "PNG"):
+        import numpy as np
+
+        a = np.asarray(im).astype(np.float64)
+        a = np.clip(np.rint(a / 257.0), 0, 255).astype(np.uint8)
+        return Image.fromarray(a, mode="L").convert("RGB")
+    return im.convert("RGB")
+
+
 @dataclass(frozen=True)
 class Item:
     """One labelled image: ``id`` is stable across runs and is what split JSONs record."""
@@ -85,6 +123,9 @@ class Dataset:
     splits: Dict[str, List[Item]] = field(default_factory=dict)
     root: Optional[Path] = None
 
+    def __post_init__(self) -> None:
+        self.classnames = check_classnames(self.classnames, f"dataset {self.name!r}")
+
     def items(self, split: str) -> List[Item]:
         if split not in self.splits:
             raise DatasetError(f"dataset {self.name!r} has no {split!r} split (has: {sorted(self.splits)})")
@@ -97,7 +138,7 @@ class Dataset:
         path = self.root / item.id
         try:
             with Image.open(path) as im:
-                return im.convert("RGB")
+                return to_rgb(im)
         except FileNotFoundError:
             raise DatasetError(f"image file not found: {path} (dataset {self.name!r})") from None
         except Exception as e:  # PIL raises several types for damaged files

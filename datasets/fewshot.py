@@ -58,6 +58,8 @@ def sample_few_shot(
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"shots must be an integer >= 1, got {k!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r} (random.Random(-s) is random.Random(s))")
     rng = random.Random(seed)
     groups = _by_class(labels)
     classes = range(len(classnames)) if classnames is not None else sorted(groups)

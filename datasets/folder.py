@@ -70,16 +70,29 @@ def is_image_file(name: str) -> bool:
     return not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS)
 
 
+def _entries(folder: Path, keep) -> List[str]:
+    """Sorted names of the entries of ``folder`` for which ``keep(entry)``; a broken entry (a symbolic link
+    loop) is a DatasetError naming it."""
+    names = []
+    with os.scandir(folder) as it:
+        for e in it:
+            try:
+                if keep(e):
+                    names.append(e.name)
+            except OSError as err:
+                raise DatasetError(f"cannot read {e.path}: {err.strerror} (a symbolic link loop or a broken link?); "
+                                   f"remove or fix it, or move it out of data.root") from None
+    return sorted(names)
+
+
 def list_class_folders(root: Path) -> List[str]:
     """Sorted names of the non-hidden sub-folders of ``root``."""
-    with os.scandir(root) as it:
-        return sorted(e.name for e in it if e.is_dir() and not e.name.startswith("."))
+    return _entries(root, lambda e: not e.name.startswith(".") and e.is_dir())
 
 
 def list_images(folder: Path) -> List[str]:
     """Sorted names of the image files directly inside ``folder``."""
-    with os.scandir(folder) as it:
-        return sorted(e.name for e in it if is_image_file(e.name) and e.is_file())
+    return _entries(folder, lambda e: is_image_file(e.name) and e.is_file())
 
 
 def hash_order(ids: Iterable[str]) -> List[str]:
@@ -212,7 +225,13 @@ def _scan_folder(root: Path) -> Tuple[List[str], Dict[str, List[Item]]]:
         parts = {"train": ids[:n_train], "val": ids[n_train : n_train + n_val], "test": ids[n_train + n_val :]}
         for split, part in parts.items():
             splits[split].extend(Item(i, label) for i in sorted(part))
-    return [clean_classname(f) for f in folders], splits
+    names = [clean_classname(f) for f in folders]
+    for i, n in enumerate(names):  # folders `a_b` and `a b` are one class name in the prompts
+        twin = next((folders[j] for j in range(i) if names[j].lower() == n.lower()), None)
+        if twin is not None:
+            raise DatasetError(f"class folders {twin!r} and {folders[i]!r} in data.root={str(root)!r} both give the "
+                               f"class name {n!r} (underscores become spaces); rename one of them")
+    return names, splits
 
 
 def build_folder(cfg: DataConfig) -> Dataset:

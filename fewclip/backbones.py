@@ -61,6 +61,7 @@ REFERENCE_DIR = Path(__file__).resolve().parent / "reference"
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
 PRECISIONS = ("fp32", "bf16", "fp16")
+DEVICE_PATTERN = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 
 class BackboneError(ValueError):
@@ -90,6 +91,8 @@ class BackboneConfig:
     def __post_init__(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"backbone.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if not DEVICE_PATTERN.fullmatch(self.device):
+            raise ValueError(f"backbone.device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
 
 
 def backbone_config_from_dict(d: Dict[str, Any]) -> BackboneConfig:
@@ -109,6 +112,11 @@ def resolve_device(device: str) -> torch.device:
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise BackboneError(f"backbone.device={device!r} but CUDA is not available; use backbone.device=cpu or auto")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise BackboneError(f"backbone.device={device!r} but there are {torch.cuda.device_count()} CUDA device(s); "
+                            f"use cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise BackboneError(f"backbone.device={device!r} but MPS is not available; use backbone.device=cpu or auto")
     return dev
 
 

@@ -11,7 +11,6 @@ from typing import Callable, Dict, List, Sequence
 
 from . import __version__
 from .config import ConfigError, RunConfig, load_config, to_yaml
-from .io import atomic_write_json, atomic_write_text
 
 log = logging.getLogger("fewclip")
 
@@ -34,7 +33,8 @@ commands:
 
 Overrides use omegaconf dotlist syntax (data.templates=single); backbone=NAME,
 data=NAME and adapter=NAME set that section's name. `fewclip COMMAND --help`
-prints the command's full config with its defaults.
+prints the command's full config with its defaults. An error prints one line
+(exit code 2: bad input, 1: the run failed); --debug or FEWCLIP_DEBUG=1 adds the trace.
 """
 
 
@@ -52,9 +52,9 @@ def _table(rows: List[Dict[str, str]], cols: Sequence[str]) -> str:
 
 
 def run_dir(out: str | None, default: str) -> Path:
-    path = Path(out or default)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+    from .records import prepare_dir
+
+    return prepare_dir(Path(out or default), "out")
 
 
 # ---------------------------------------------------------------------------
@@ -95,23 +95,14 @@ def cmd_datasets(args: Sequence[str]) -> int:
 
 
 def cmd_zeroshot(args: Sequence[str]) -> int:
-    from fewclip.datasets import build_dataset
-
-    from .backbones import load_backbone
-    from .zeroshot import evaluate_zeroshot
+    from .runs import run_zeroshot
 
     cfg: RunConfig = load_config(args, RunConfig)
     setup_logging(cfg.log_level)
     out = run_dir(cfg.out, f"runs/zeroshot/{Path(cfg.backbone.name).stem}_{cfg.data.name}")
-    atomic_write_text(out / "config.yaml", to_yaml(cfg))
-    dataset = build_dataset(cfg.data)
-    backbone = load_backbone(cfg.backbone)
-    metrics = evaluate_zeroshot(backbone, dataset, templates=cfg.data.templates, batch_size=cfg.data.batch_size,
-                                workers=cfg.data.workers, max_test=cfg.data.max_test, seed=cfg.seed)
-    metrics["backbone_info"] = backbone.describe()
-    atomic_write_json(out / "metrics.json", metrics)
-    print(f"zero-shot top-1 {metrics['top1']:.2f}% on {dataset.name} ({metrics['n_test']} test images) "
-          f"with {backbone.name} [{backbone.geometry.name}] -> {out / 'metrics.json'}")
+    metrics = run_zeroshot(cfg, out)
+    print(f"zero-shot top-1 {metrics['top1']:.2f}% on {metrics['dataset']} ({metrics['n_test']} test images) "
+          f"with {metrics['backbone']} [{metrics['geometry']}] -> {out / 'metrics.json'}")
     return 0
 
 
@@ -130,15 +121,20 @@ def cmd_train(args: Sequence[str]) -> int:
 
 def cmd_sweep(args: Sequence[str]) -> int:
     from .report import write_report
-    from .runs import load_sweep_config, run_sweep
+    from .runs import load_sweep_config, run_sweep, sweep_lock
 
     cfg = load_sweep_config(args)
     setup_logging(cfg.log_level)
     out = run_dir(cfg.out, "runs/sweep")
     counts = run_sweep(cfg, out)
-    print(f"sweep: {counts['planned']} runs, {counts['done_before']} already done, {counts['ran']} ran -> {out}")
+    extra = "".join(f", {counts[k]} {what}" for k, what in (("rerun", "of them rerun (identity changed)"),
+                                                            ("by_others", "done by another worker"),
+                                                            ("replaced", "since replaced by another config"))
+                    if counts.get(k))
+    print(f"sweep: {counts['planned']} runs, {counts['done_before']} already done, {counts['ran']} ran{extra} -> {out}")
     if cfg.report:
-        rep = write_report(out)
+        with sweep_lock(out, cfg.lock_timeout_s):
+            rep = write_report(out)
         print(rep.markdown)
         print(f"report: {out / 'report.md'}, {out / 'accuracy_vs_shots.png'}")
     return 0
@@ -290,7 +286,9 @@ CONFIG_SCHEMAS: Dict[str, Callable[[], object]] = {"zeroshot": RunConfig, "train
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    from .errors import take_debug_flag
+
+    debug, argv = take_debug_flag(list(sys.argv[1:] if argv is None else argv))
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
         return 0
@@ -301,32 +299,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command not in COMMANDS:
         print(f"fewclip: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
-    if "--help" in args or "-h" in args:
-        schema = CONFIG_SCHEMAS.get(command)
-        if schema is None:
-            print(USAGE)
-            return 0
-        try:
-            cfg = schema(args) if schema is _train_defaults else schema()
-        except ConfigError as e:
-            print(f"fewclip {command}: error: {e}", file=sys.stderr)
-            return 2
-        print(f"fewclip {command} config (defaults):\n\n" + to_yaml(cfg))
-        return 0
-    setup_logging("info")
-    from fewclip.datasets import DatasetError
-
-    from .backbones import BackboneError
-    from .export import ExportError
-
     try:
+        if "--help" in args or "-h" in args:
+            schema = CONFIG_SCHEMAS.get(command)
+            if schema is None:
+                print(USAGE)
+                return 0
+            cfg = schema(args) if schema is _train_defaults else schema()
+            print(f"fewclip {command} config (defaults):\n\n" + to_yaml(cfg))
+            return 0
+        setup_logging("info")
         return COMMANDS[command](args)
-    except (ConfigError, BackboneError, DatasetError, ExportError) as e:
-        print(f"fewclip {command}: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"fewclip {command}: interrupted; finished results are kept", file=sys.stderr)
         return 130
+    except Exception as e:  # every error ends in one message (fewclip.errors); --debug shows the trace
+        from .errors import describe
+
+        if debug:
+            import traceback
+
+            traceback.print_exc()
+        message, code = describe(e)
+        print(f"fewclip {command}: error: {message}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

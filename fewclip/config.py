@@ -15,6 +15,7 @@ config pieces shipped with fewclip (``configs/`` in the repository), so
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple, Type
@@ -41,10 +42,16 @@ class RunConfig:
     out: Optional[str] = None
     seed: int = 1
     log_level: str = "info"
+    # Replace a finished run of another config in `out` (its files are removed first); without it such a
+    # directory is refused. A finished run of the same config is kept and shown unless this is set.
+    overwrite: bool = False
 
     def __post_init__(self) -> None:
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug, info, warning or error, got {self.log_level!r}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed} (Python's random.Random would silently use "
+                             f"seed {abs(self.seed)})")
 
 
 def packaged_config_dirs() -> List[Path]:
@@ -67,6 +74,39 @@ def find_yaml(arg: str) -> Path:
         if (d / rel).is_file():
             return d / rel
     raise ConfigError(f"config file not found: {arg} (looked here and in {CONFIG_DIR})")
+
+
+def load_yaml(path: str | Path) -> DictConfig:
+    """A YAML mapping as a DictConfig. A syntax error, a tag such as ``!!python/object`` (never
+    constructed: the loader is yaml's safe loader) or a file that is not a mapping is a ConfigError
+    naming the file and line."""
+    import yaml
+
+    try:
+        node = OmegaConf.load(path)
+    except yaml.constructor.ConstructorError as e:
+        mark = e.problem_mark
+        where = f", line {mark.line + 1}" if mark is not None else ""
+        found = re.search(r"'([^']*)'", str(e.problem or ""))
+        tag = found.group(1).replace("tag:yaml.org,2002:", "!!") if found else "?"
+        raise ConfigError(f"{path}{where}: the tag {tag!r} is not allowed; config files hold plain values "
+                          f"(numbers, strings, lists, mappings) and fewclip never constructs objects from YAML. "
+                          f"Remove the tag") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"YAML syntax error in {path}{where}: {problem}; fix the file (an unclosed bracket or "
+                          f"quote, a missing ':' or wrong indentation?)") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a UTF-8 text file; give a YAML config file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path} is a folder; give a YAML config file") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"{path} must be a YAML mapping (key: value lines), not a {type(node).__name__}")
+    return node
 
 
 def split_args(args: Sequence[str]) -> Tuple[List[str], List[str]]:
@@ -100,7 +140,7 @@ def compose(schema: Type, args: Sequence[str], base: Optional[DictConfig] = None
     try:
         for y in yamls:
             path = find_yaml(y)
-            piece = OmegaConf.load(path)
+            piece = load_yaml(path)
             for key in SHORTHANDS:  # allow `backbone: toy-clip` in YAML too
                 if isinstance(piece.get(key, None), str):
                     piece[key] = {"name": piece[key]}

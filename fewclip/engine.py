@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torchvision import transforms as T
 
 from .features import ImageItems, accuracy, extract_features, progress
+from .records import NonFiniteError
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,9 @@ class TrainConfig:
             v = getattr(self, key)
             if v is not None and v < 1:
                 raise ValueError(f"train.{key} must be >= 1 or null, got {v}")
+        for key in ("lr", "momentum", "weight_decay", "warmup_lr"):
+            if not math.isfinite(getattr(self, key)):
+                raise ValueError(f"train.{key} must be a finite number, got {getattr(self, key)}")
         if self.lr <= 0:
             raise ValueError(f"train.lr must be > 0, got {self.lr}")
         if self.crop_scale_min is not None and not 0 < self.crop_scale_min <= 1:
@@ -190,6 +194,10 @@ def train_gradient(adapter, train_views, val, classnames, cfg: TrainConfig, shot
                     x = encode_fn(idx)  # the adapted image tower, with gradients, under autocast
                 logits = adapter(x)
             loss = F.cross_entropy(logits.float(), y)
+            if not torch.isfinite(loss):  # stop: nothing non-finite is trained on, saved or recorded
+                raise NonFiniteError(f"the training loss became {float(loss.detach())} at step {step + 1} "
+                                     f"(epoch {epoch + 1}) of {adapter.name}; the run is stopped and not recorded. "
+                                     f"Lower train.lr (now {cfg.lr}) or check the data")
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

@@ -264,6 +264,7 @@ def export_run(run_dir: Union[str, Path], out: Union[str, Path, None] = None, *,
     from .backbones import load_backbone
     from .config import ConfigError
     from .io import read_json
+    from .records import run_state
     from .runs import load_train_config
 
     run_dir = Path(run_dir)
@@ -283,6 +284,9 @@ def export_run(run_dir: Union[str, Path], out: Union[str, Path, None] = None, *,
     for f in ("adapter.safetensors", "split.json", "metrics.json"):
         if not (run_dir / f).is_file():
             raise ExportError(f"run {run_dir} is not finished: it has no {f}")
+    state = run_state(run_dir)
+    if not state.finished and state.kind != "legacy":  # runs of an older fewclip have no record to check
+        raise ExportError(f"run {run_dir} is not a valid finished run: {state.reason}; run it again")
     try:
         split = read_split(run_dir / "split.json")
     except DatasetError as e:
@@ -362,6 +366,9 @@ def read_prompts(path: Union[str, Path]) -> Tuple[Dict[str, torch.Tensor], Dict[
     from safetensors import safe_open
 
     path = Path(path)
+    if path.is_dir():
+        raise ExportError(f"{path} is a folder but not a LoRA export (it has no fewclip.json): give a prompt file or "
+                          f"export folder written by `fewclip export`")
     if not path.is_file():
         raise ExportError(f"prompt file not found: {path}")
     try:
@@ -437,12 +444,16 @@ def load_image(path: Union[str, Path]):
     """An RGB PIL image; an unreadable file is an ExportError naming it."""
     from PIL import Image, UnidentifiedImageError
 
+    from fewclip.datasets import to_rgb
+
     path = Path(path)
+    if path.is_dir():
+        raise ExportError(f"{path} is a folder: predict takes image files (for a folder's images, e.g. {path}/*.jpg)")
     if not path.is_file():
         raise ExportError(f"image not found: {path}")
     try:
         with Image.open(path) as im:
-            return im.convert("RGB")
+            return to_rgb(im)
     except (OSError, UnidentifiedImageError, ValueError) as e:
         raise ExportError(f"cannot read image {path}: {e}") from None
 
@@ -484,7 +495,9 @@ class PromptClassifier:
         if not isinstance(images, (list, tuple)):
             images = [images]
         tf = self.backbone.preprocess()
-        out = [tf(load_image(im) if isinstance(im, (str, Path)) else im.convert("RGB")) for im in images]
+        from fewclip.datasets import to_rgb
+
+        out = [tf(load_image(im) if isinstance(im, (str, Path)) else to_rgb(im)) for im in images]
         return torch.stack(out) if out else torch.empty(0, 3, self.backbone.image_size, self.backbone.image_size)
 
     @torch.no_grad()
@@ -523,9 +536,9 @@ class PromptClassifier:
         class-specific context has a vector only for the trained classes: it
         serves a subset or reordering of them, and refuses unseen names.
         """
-        names = list(classnames)
-        if not names:
-            raise ValueError("with_classnames needs at least one class name")
+        from fewclip.datasets import check_classnames
+
+        names = check_classnames(classnames, "with_classnames")
         p = self.meta["prompt"]
         if p["csc"]:
             unseen = [n for n in names if n not in self.classnames]
@@ -583,4 +596,21 @@ def load_prompts(path: Union[str, Path], device: str = "auto", *, backbone=None,
     if backbone is None:
         backbone = backbone_from_metadata(meta, f"prompt file {path}", device, backbone_overrides)
     check_backbone(meta, backbone, path)
+    check_widths(tensors, backbone, path)
     return PromptClassifier(backbone, tensors, meta, path)
+
+
+@torch.no_grad()
+def check_widths(tensors: Dict[str, torch.Tensor], backbone, path) -> None:
+    """Refuse tensors whose widths do not fit the backbone: ``ctx`` [..., W] against its token embeddings,
+    ``prototypes`` [C, D] against its embedded text features."""
+    from fewclip.adapters._text import TextTower
+
+    width = TextTower(backbone.model, backbone.tokenizer).width
+    raw = backbone.encode_text(["a"])  # 1, D
+    want = {"ctx": width, "text_features": raw.shape[-1], "prototypes": backbone.geometry.embed_text(raw).shape[-1]}
+    problems = [f"{k} has width {tensors[k].shape[-1]} but {backbone.name!r} needs {w}" for k, w in want.items()
+                if tensors[k].shape[-1] != w]
+    if problems:
+        raise ExportError(f"prompt file {path} does not fit its backbone: " + "; ".join(problems) +
+                          ". The file is damaged or was edited; export the run again")

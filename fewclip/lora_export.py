@@ -167,28 +167,44 @@ class LoRAClassifier(PromptClassifier):
                 f"rank {lo['rank']}, targets {lo['targets']}, towers {lo['towers']})")
 
     def with_classnames(self, classnames: Sequence[str]) -> "LoRAClassifier":
-        names = list(classnames)
-        if not names:
-            raise ValueError("with_classnames needs at least one class name")
+        from fewclip.datasets import check_classnames
+
+        names = check_classnames(classnames, "with_classnames")
         return LoRAClassifier(self.backbone, self.meta, self.path, names)
 
 
-def _read_meta(path: Path) -> Dict[str, Any]:
-    if path.is_dir():
-        try:
-            meta = json.loads((path / META_FILE).read_text())
-        except (OSError, ValueError) as e:
-            raise ExportError(f"cannot read {path / META_FILE}: {e}") from None
-    else:
-        from safetensors import safe_open
+# Keys of fewclip.json (or the merged file's metadata) and what each must be.
+_REQUIRED = {"format": str, "format_version": int, "backbone": dict, "geometry": dict, "classnames": list,
+             "templates": list, "lora": dict, "preprocess": dict}
 
-        with safe_open(str(path), "pt") as f:
-            meta = json.loads((f.metadata() or {})["fewclip"])
-    if meta.get("format") != FORMAT:
-        raise ExportError(f"{path}: not a fewclip LoRA export (format {meta.get('format')!r})")
-    if meta.get("format_version", 0) > FORMAT_VERSION:
-        raise ExportError(f"{path}: written by a newer fewclip (format version {meta['format_version']}); "
-                          f"upgrade fewclip to read it")
+
+def _read_meta(path: Path) -> Dict[str, Any]:
+    where = path / META_FILE if path.is_dir() else path
+    try:
+        if path.is_dir():
+            meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
+        else:
+            from safetensors import safe_open
+
+            with safe_open(str(path), "pt") as f:
+                meta = json.loads((f.metadata() or {})["fewclip"])
+    except (OSError, ValueError, KeyError, UnicodeDecodeError) as e:
+        raise ExportError(f"cannot read {where}: {e}; not a fewclip LoRA export") from None
+    except Exception as e:  # safetensors' own error for a damaged file
+        raise ExportError(f"{where} is damaged or not a safetensors file ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        fmt = meta.get("format") if isinstance(meta, dict) else None
+        raise ExportError(f"{path}: not a fewclip LoRA export (format {fmt!r}, expected {FORMAT!r})")
+    version = meta.get("format_version")
+    if isinstance(version, int) and version > FORMAT_VERSION:
+        raise ExportError(f"{path}: written by a newer fewclip (format version {version}); upgrade fewclip to read it")
+    for key, typ in _REQUIRED.items():
+        if not isinstance(meta.get(key), typ) or isinstance(meta.get(key), bool):
+            raise ExportError(f"{where}: key {key!r} is missing or not a {typ.__name__}; the export is damaged or was "
+                              f"not written by `fewclip export`: export the run again")
+    bb = meta["backbone"]
+    if not bb.get("name") or not (bb.get("weights_sha256") or bb.get("state_sha256")):
+        raise ExportError(f"{where}: backbone needs a name and a weights checksum; export the run again")
     return meta
 
 
@@ -221,15 +237,26 @@ def load_lora_export(path: Union[str, Path], device: str = "auto", *, backbone=N
         weights = path / PEFT_WEIGHTS
         if not weights.is_file():
             raise ExportError(f"{path}: no {PEFT_WEIGHTS} (peft's LoRA weights) in the export folder")
-        adapter = LoRA(LoRAConfig(**meta["lora"]), backbone, meta["classnames"], meta["templates"])
         try:
-            adapter.load_peft_state_dict(load_file(str(weights)))
-        except ValueError as e:
+            lora_cfg = LoRAConfig(**meta["lora"])
+        except (TypeError, ValueError) as e:
+            raise ExportError(f"{path / META_FILE}: bad 'lora' section: {e}; export the run again") from None
+        adapter = LoRA(lora_cfg, backbone, meta["classnames"], meta["templates"])
+        try:
+            sd = load_file(str(weights))
+        except Exception as e:  # safetensors' own error for a damaged file
+            raise ExportError(f"{weights} is damaged or not a safetensors file ({e})") from None
+        try:
+            adapter.load_peft_state_dict(sd)
+        except (ValueError, RuntimeError, KeyError) as e:
             raise ExportError(f"{weights}: {e}") from None
         merged = adapter.merged_state_dict()
         del adapter
     else:
-        merged = load_file(str(path))
+        try:
+            merged = load_file(str(path))
+        except Exception as e:
+            raise ExportError(f"{path} is damaged or not a safetensors file ({e})") from None
     try:
         load_state_dict_strict(backbone.model, merged, str(path))
     except BackboneError as e:

@@ -35,7 +35,8 @@ Conventions (also stated in ``report.md``):
   With several backbones, ``accuracy_vs_shots_<backbone>.png`` is also
   written for each of them, and ``report.md`` links those.
 
-A malformed ``metrics.json`` is skipped with a warning naming it; of several
+A malformed ``metrics.json`` is skipped with a warning naming it, and so is one whose finished-run
+record (``fewclip.records``) no longer matches its files; of several
 runs with the same (method, dataset, backbone, shots, seed), the first in
 sorted path order is kept and the others are skipped with a warning.
 """
@@ -53,6 +54,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from fewclip.io import atomic_write, atomic_write_json, atomic_write_text, read_json
+from fewclip.records import run_state
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +226,8 @@ def load_runs(run_root: str | Path) -> tuple[list[RunResult], list[SkippedFile]]
     """
     run_root = Path(run_root)
     if not run_root.is_dir():
-        raise NoRunsFoundError(f"run directory {str(run_root)!r} does not exist or is not a directory")
+        raise NoRunsFoundError(f"run directory {str(run_root)!r} does not exist or is not a directory; give the out= "
+                               f"folder of a `fewclip sweep` or `fewclip train`")
     runs: list[RunResult] = []
     skipped: list[SkippedFile] = []
     seen: dict[tuple, Path] = {}
@@ -234,6 +237,11 @@ def load_runs(run_root: str | Path) -> tuple[list[RunResult], list[SkippedFile]]
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
             logger.warning("skipping malformed %s: %s", path, e)
             skipped.append(SkippedFile(path, f"malformed: {e}"))
+            continue
+        state = run_state(path.parent)
+        if state.kind == "modified":  # a record that no longer vouches for the files (no record: older runs)
+            logger.warning("skipping %s: %s", path, state.reason)
+            skipped.append(SkippedFile(path, f"not a valid finished run: {state.reason}"))
             continue
         key = (run.method, run.dataset, run.backbone, run.shots, run.seed)
         if key in seen:

@@ -2,19 +2,24 @@
 
 A run directory holds ``config.yaml`` (the resolved config), ``split.json``
 (the few-shot image ids), ``adapter.safetensors`` (adapter tensors only) and
-``metrics.json``; every file is written atomically and ``metrics.json`` last,
-so a directory with ``metrics.json`` is a finished run. ``fewclip sweep`` skips
-finished runs, so an interrupted sweep resumes where it stopped.
+``metrics.json``; every file is written atomically and fsynced, and ``metrics.json``
+last, with a record of the run's identity and of its files' checksums
+(``fewclip.records``): a run is finished only if that record is valid.
+``fewclip sweep`` skips finished runs of the same identity and reruns those whose
+config, backbone weights or data changed, so an interrupted sweep resumes where it
+stopped; a lock per run directory lets several sweeps share one out directory.
 """
 from __future__ import annotations
 
 import logging
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from fewclip.adapters import AdapterConfig, adapter_info, build_adapter
 from fewclip.datasets import build_dataset, make_few_shot_split, write_split
@@ -23,10 +28,15 @@ from .backbones import Backbone, load_backbone
 from .config import ConfigError, RunConfig, compose, load_config, split_args, to_object, to_yaml
 from .engine import TrainConfig, _autocast, evaluate, fit_adapter
 from .features import extract_features
-from .io import atomic_write, atomic_write_json
+from .io import atomic_write
+from .errors import user_errors
+from .records import (Identity, Run, RunLock, RunState, claim_run, data_part, open_run, prepare_dir,
+                      remove_leftovers, run_identity, run_state, tidy, weights_checksum)
 from .zeroshot import evaluate_zeroshot, test_items
 
 log = logging.getLogger(__name__)
+
+SWEEP_LOCK_FILE = ".fewclip.sweep.lock"
 
 
 @dataclass
@@ -45,14 +55,14 @@ def _adapter_name(args: Sequence[str]) -> str:
     """The adapter named by the arguments (last one wins), default coop."""
     yamls, dotlist = split_args(args)
     name = "coop"
-    from .config import find_yaml
+    from .config import find_yaml, load_yaml
 
     for y in yamls:
-        piece = OmegaConf.load(find_yaml(y))
+        piece = load_yaml(find_yaml(y))
         a = piece.get("adapter", None)
         if isinstance(a, str):
             name = a
-        elif a is not None and "name" in a:
+        elif isinstance(a, DictConfig) and "name" in a:
             name = a["name"]
     for d in dotlist:
         if d.startswith("adapter.name="):
@@ -92,38 +102,68 @@ class FeatureCache:
         return self._store[key]
 
 
-def run_zeroshot(cfg: RunConfig, out: Path, *, backbone: Optional[Backbone] = None, dataset=None,
-                 cache: Optional[FeatureCache] = None, method: str = "zeroshot") -> Dict:
-    from .io import atomic_write_text
+def run_identity_of(cfg: RunConfig, backbone: Backbone, dataset, split=None) -> Identity:
+    """The run's identity (``fewclip.records``): its config, the backbone's weights checksum, and the class
+    names, templates, few-shot split and test images it uses."""
+    data = data_part(dataset=dataset.name, classnames=dataset.classnames,
+                     templates=dataset.prompts(cfg.data.templates), test=test_items(dataset, cfg.data.max_test, 1),
+                     split=split.to_json() if split else None)
+    return run_identity(cfg, weights_checksum(backbone), data)
 
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "config.yaml", to_yaml(cfg))
+
+def run_zeroshot(cfg: RunConfig, out: Path, *, backbone: Optional[Backbone] = None, dataset=None,
+                 cache: Optional[FeatureCache] = None, method: str = "zeroshot", lock: Optional[RunLock] = None,
+                 overwrite: Optional[bool] = None) -> Dict:
+    """Zero-shot evaluation into the run directory ``out`` (see ``records.open_run`` for an existing run there;
+    ``lock``: the directory's lock, already held by the caller)."""
     dataset = dataset or build_dataset(cfg.data)
     backbone = backbone or load_backbone(cfg.backbone)
-    cache = cache or FeatureCache()
+    identity = run_identity_of(cfg, backbone, dataset)
+    with open_run(out, identity, overwrite=cfg.overwrite if overwrite is None else overwrite, lock=lock) as run:
+        if run.done:
+            log.info("%s: already finished with this config; overwrite=true runs it again", out)
+            return run.metrics
+        return _zeroshot(run, cfg, out, backbone, dataset, cache or FeatureCache(), method)
+
+
+def _zeroshot(run: Run, cfg: RunConfig, out: Path, backbone: Backbone, dataset, cache: FeatureCache,
+              method: str) -> Dict:
+    from .io import atomic_write_text
+
+    atomic_write_text(out / "config.yaml", to_yaml(cfg))
     # Zero-shot always uses the full test set (or the configured subset) with subset seed 1 so every
     # method of a sweep is tested on the same images.
     feats = cache.test(backbone, dataset, cfg.data.max_test, 1, cfg.data.batch_size, cfg.data.workers)
     metrics = evaluate_zeroshot(backbone, dataset, templates=cfg.data.templates, seed=cfg.seed, features=feats)
     metrics["method"] = method
     metrics["backbone_info"] = backbone.describe()
-    atomic_write_json(out / "metrics.json", metrics)
-    return metrics
+    return run.finish(metrics, files=["config.yaml"])
 
 
 def run_train(cfg: TrainRunConfig, out: Path, *, backbone: Optional[Backbone] = None, dataset=None,
-              cache: Optional[FeatureCache] = None, method: Optional[str] = None) -> Dict:
-    """Train one adapter on one few-shot split and test it; ``method`` labels it in metrics.json."""
+              cache: Optional[FeatureCache] = None, method: Optional[str] = None, lock: Optional[RunLock] = None,
+              overwrite: Optional[bool] = None) -> Dict:
+    """Train one adapter on one few-shot split and test it; ``method`` labels it in metrics.json.
+    An existing run in ``out`` is handled by ``records.open_run``; ``lock``: the directory's lock, already
+    held by the caller."""
+    dataset = dataset or build_dataset(cfg.data)
+    backbone = backbone or load_backbone(cfg.backbone)
+    split = make_few_shot_split(dataset, cfg.shots, cfg.seed, allow_fewer=cfg.data.allow_fewer_shots)
+    identity = run_identity_of(cfg, backbone, dataset, split)
+    with open_run(out, identity, overwrite=cfg.overwrite if overwrite is None else overwrite, lock=lock) as run:
+        if run.done:
+            log.info("%s: already finished with this config; overwrite=true runs it again", out)
+            return run.metrics
+        return _train(run, cfg, out, backbone, dataset, cache or FeatureCache(), split, method)
+
+
+def _train(run: Run, cfg: TrainRunConfig, out: Path, backbone: Backbone, dataset, cache: FeatureCache, split,
+           method: Optional[str]) -> Dict:
     from safetensors.torch import save_file
 
     from .io import atomic_write_text
 
-    out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / "config.yaml", to_yaml(cfg))
-    dataset = dataset or build_dataset(cfg.data)
-    backbone = backbone or load_backbone(cfg.backbone)
-    cache = cache or FeatureCache()
-    split = make_few_shot_split(dataset, cfg.shots, cfg.seed, allow_fewer=cfg.data.allow_fewer_shots)
     write_split(split, out / "split.json")
     torch.manual_seed(cfg.seed)
     adapter = build_adapter(cfg.adapter, backbone, dataset.classnames, dataset.prompts(cfg.data.templates))
@@ -154,7 +194,7 @@ def run_train(cfg: TrainRunConfig, out: Path, *, backbone: Optional[Backbone] = 
         "templates": list(adapter.templates),
         **info,
     })
-    atomic_write_json(out / "metrics.json", metrics)
+    run.finish(metrics, files=["config.yaml", "split.json", "adapter.safetensors"], tensors=sd)
     log.info("%s %d-shot seed %d on %s with %s: top1 %.2f%% (%.1f s)", metrics["method"], cfg.shots, cfg.seed,
              dataset.name, backbone.name, metrics["top1"], info.get("train_time_s", 0.0))
     return metrics
@@ -190,6 +230,13 @@ class SweepConfig:
     log_level: str = "info"
     # Print the report at the end (fewclip report OUT).
     report: bool = True
+    # Seconds without a heartbeat after which another host's run lock counts as abandoned (null: the
+    # FEWCLIP_LOCK_TIMEOUT_S environment variable, else 600). Locks of this host are judged by their pid.
+    lock_timeout_s: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if self.lock_timeout_s is not None and not 0 < self.lock_timeout_s < float("inf"):
+            raise ValueError(f"lock_timeout_s must be a number of seconds > 0 or null, got {self.lock_timeout_s}")
 
 
 def load_sweep_config(args: Sequence[str]) -> SweepConfig:
@@ -244,13 +291,31 @@ def plan_sweep(spec: SweepSpec) -> List[Dict[str, Any]]:
     return runs
 
 
-def run_sweep(cfg: SweepConfig, out: Path) -> Dict[str, int]:
-    """Run every planned run whose directory has no metrics.json yet; returns counts."""
+@dataclass
+class _Planned:
+    """One run of a sweep with its parsed config, identity and what its directory held when planned."""
+
+    run: Dict[str, Any]
+    cfg: Any
+    identity: Identity
+    state: RunState
+
+
+def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, int]:
+    """Run every planned run that is not finished with its current identity; returns counts.
+
+    Finished runs whose identity changed (config, backbone weights, data) run again and the log says
+    how many and why. Each run is claimed with its directory's lock, so any number of sweeps or workers
+    can share ``out``: a run held by another live process is left to it and checked again at the end
+    (``poll_s`` seconds between checks); one whose holder is gone is taken over.
+    """
     from .features import progress
     from .io import atomic_write_text
 
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(out / "sweep.yaml", to_yaml(cfg))
+    out = prepare_dir(out)
+    with sweep_lock(out, cfg.lock_timeout_s):  # the sweep's own files: one writer at a time
+        remove_leftovers(out)
+        atomic_write_text(out / "sweep.yaml", to_yaml(cfg))
     runs = plan_sweep(cfg.sweep)
     # Validate every run's config before the first one starts: a typo fails now, not after an hour.
     parsed = []
@@ -262,26 +327,106 @@ def run_sweep(cfg: SweepConfig, out: Path) -> Dict[str, int]:
         c.out = str(out / r["dir"])
         c.log_level = cfg.log_level
         parsed.append(c)
-    todo = [(r, c) for r, c in zip(runs, parsed) if not (out / r["dir"] / "metrics.json").is_file()]
-    counts = {"planned": len(runs), "done_before": len(runs) - len(todo), "ran": 0, "failed": 0}
-    log.info("sweep: %d runs planned, %d already finished, %d to run", len(runs), counts["done_before"], len(todo))
-    cache = FeatureCache()
+    # Load what the runs need and work out each run's identity: a finished run counts only if it is this one.
     backbones: Dict[str, Backbone] = {}
     datasets: Dict[str, Any] = {}
-    bar = progress(todo, desc="sweep", unit="run")
-    for r, c in bar:
-        bar.set_postfix_str(f"{r['method']} {r['dataset']} {r['shots']}-shot seed {r['seed']}")
-        bkey = to_yaml(c.backbone)
+
+    def resources(c):
+        bkey, dkey = to_yaml(c.backbone), to_yaml(c.data)
         if bkey not in backbones:
             backbones[bkey] = load_backbone(c.backbone)
-        dkey = to_yaml(c.data)
         if dkey not in datasets:
             datasets[dkey] = build_dataset(c.data)
-        d = out / r["dir"]
-        if r["kind"] == "zeroshot":
-            run_zeroshot(c, d, backbone=backbones[bkey], dataset=datasets[dkey], cache=cache, method=r["method"])
-        else:
-            run_train(c, d, backbone=backbones[bkey], dataset=datasets[dkey], cache=cache, method=r["method"])
-        counts["ran"] += 1
+        return backbones[bkey], datasets[dkey]
+
+    plans = []
+    for r, c in zip(runs, parsed):
+        try:
+            bb, ds = resources(c)
+            split = None if r["kind"] == "zeroshot" else make_few_shot_split(
+                ds, c.shots, c.seed, allow_fewer=c.data.allow_fewer_shots)
+            identity = run_identity_of(c, bb, ds, split)
+        except user_errors() as e:
+            raise _in_run(e, r) from e
+        plans.append(_Planned(r, c, identity, run_state(out / r["dir"], identity)))
+    for p in plans:
+        if p.state.finished:  # a lock or temporary file left by a process killed after it finished the run
+            tidy(out / p.run["dir"], stale_after_s=cfg.lock_timeout_s)
+    todo = [p for p in plans if not p.state.finished]
+    counts = {"planned": len(runs), "done_before": len(runs) - len(todo), "ran": 0, "rerun": 0, "by_others": 0,
+              "failed": 0, "replaced": 0}
+    log.info("sweep: %d runs planned, %d already finished, %d to run", len(runs), counts["done_before"], len(todo))
+    reasons: Dict[str, int] = {}
+    for p in todo:
+        if p.state.holds_results:
+            reasons[p.state.reason] = reasons.get(p.state.reason, 0) + 1
+    for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
+        log.warning("sweep: %d finished run(s) do not match this sweep and run again: %s", n, reason)
+
+    cache = FeatureCache()
+    bar = progress(total=len(todo), desc="sweep", unit="run")
+    pending, said = todo, None
+    while pending:
+        waiting = []
+        for p in pending:
+            r, c, d = p.run, p.cfg, out / p.run["dir"]
+            lock = claim_run(d, stale_after_s=cfg.lock_timeout_s)
+            if lock is None:  # another sweep or worker is on it
+                waiting.append(p)
+                continue
+            try:
+                state = run_state(d, p.identity)  # again, under the lock
+                if state.finished:
+                    counts["by_others"] += 1
+                    bar.update()
+                    continue
+                bar.set_postfix_str(f"{r['method']} {r['dataset']} {r['shots']}-shot seed {r['seed']}")
+                bb, ds = resources(c)
+                kwargs = dict(backbone=bb, dataset=ds, cache=cache, method=r["method"], lock=lock, overwrite=True)
+                try:
+                    if r["kind"] == "zeroshot":
+                        run_zeroshot(c, d, **kwargs)
+                    else:
+                        run_train(c, d, **kwargs)
+                except user_errors() as e:
+                    raise _in_run(e, r) from e
+                counts["ran"] += 1
+                counts["rerun"] += int(state.holds_results)
+                bar.update()
+            finally:
+                lock.release()
+        if waiting and len(waiting) == len(pending):
+            if said is None or time.monotonic() - said > 60:  # say it once a minute
+                log.info("sweep: waiting for %d run(s) held by other workers (e.g. %s)", len(waiting),
+                         waiting[0].run["dir"])
+                said = time.monotonic()
+            time.sleep(poll_s)
+        pending = waiting
+    bar.close()
+    # A concurrent sweep with other settings may have replaced runs since: say so rather than report them silently.
+    replaced = [p for p in plans if not run_state(out / p.run["dir"], p.identity).finished]
+    counts["replaced"] = len(replaced)
+    if replaced:
+        log.warning("sweep: %d run(s) in %s now hold results of another config (another sweep with other settings "
+                    "shares this out directory), e.g. %s: %s", len(replaced), out, replaced[0].run["dir"],
+                    run_state(out / replaced[0].run["dir"], replaced[0].identity).reason)
     return counts
 
+
+def _in_run(e: Exception, r: Dict[str, Any]) -> Exception:
+    """The same error with the run named in its message."""
+    try:
+        return type(e)(f"sweep run {r['dir']}: {e}")
+    except Exception:
+        return e
+
+
+@contextmanager
+def sweep_lock(out: Path, stale_after_s: Optional[float] = None):
+    """Hold the sweep-level lock of ``out`` (its sweep.yaml and report files), waiting for it."""
+    lock = RunLock(out, stale_after_s=stale_after_s, name=SWEEP_LOCK_FILE)
+    lock.acquire()
+    try:
+        yield lock
+    finally:
+        lock.release()

@@ -132,10 +132,13 @@ def test_interrupted_run_leaves_no_metrics(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(fewclip.runs, "evaluate", broken)
     out = tmp_path / "run"
-    with pytest.raises(RuntimeError, match="power cut"):
-        main([*TRAIN, f"out={out}"])
+    assert main([*TRAIN, f"out={out}"]) == 1  # an unexpected error: one message, no trace
+    err = capsys.readouterr().err
+    assert "unexpected RuntimeError: power cut" in err and "Traceback" not in err
     assert calls and not (out / "metrics.json").exists() and not (out / "adapter.safetensors").exists()
     assert not leftovers(out)
+    assert main([*TRAIN, f"out={out}", "--debug"]) == 1  # --debug shows where
+    assert "Traceback" in capsys.readouterr().err
 
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt

@@ -298,3 +298,25 @@ def test_import_fewclip_stays_light():
     code = "import sys, fewclip; assert callable(fewclip.load_prompts); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_with_classnames_refuses_a_string_one_class_and_duplicates(clf):
+    from fewclip.datasets import DatasetError
+
+    with pytest.raises(DatasetError, match=r"with_classnames: expected a list of class names, got the string 'abc'"):
+        clf.with_classnames("abc")  # list("abc") would be three classes a, b, c
+    with pytest.raises(DatasetError, match="the class name 'circle' occurs twice"):
+        clf.with_classnames(["circle", "circle"])  # would give 0.5 / 0.5 for every image
+    with pytest.raises(DatasetError, match="at least 2 classes"):
+        clf.with_classnames(["circle"])
+
+
+def test_prompt_file_of_another_width_is_refused(prompts, backbone, tmp_path):
+    from fewclip.export import check_widths
+
+    tensors, _ = read_prompts(prompts)
+    check_widths(tensors, backbone, prompts)
+    narrow = dict(tensors, prototypes=tensors["prototypes"][:, :32].contiguous(),
+                  text_features=tensors["text_features"][:, :32].contiguous())
+    with pytest.raises(ExportError, match="prototypes has width 32 but 'toy-clip' needs 64"):
+        check_widths(narrow, backbone, prompts)

@@ -1,0 +1,92 @@
+"""What the command line prints when something goes wrong: one message naming the problem and the fix.
+
+Every error a user can cause ends a command with one line on stderr and a non-zero exit code: 2 for
+a bad input (config, data, file, command line, a directory holding another run), 1 for a run that
+could not finish (a diverged training, a full disk, an unwritable or busy directory) and for an
+unexpected error, 130 for an interrupt. ``--debug`` anywhere on the command line, or the environment
+variable ``FEWCLIP_DEBUG=1``, prints the Python trace as well.
+"""
+from __future__ import annotations
+
+import errno
+import functools
+import os
+from typing import List, Sequence, Tuple
+
+DEBUG_ENV = "FEWCLIP_DEBUG"
+DEBUG_FLAG = "--debug"
+
+
+@functools.lru_cache(maxsize=None)
+def input_errors() -> tuple:
+    """Errors of a bad input, whose message already names the problem and the fix (imported when first
+    needed: `fewclip --version` loads no torch)."""
+    from fewclip.adapters.base import AdapterError
+    from fewclip.datasets import DatasetError
+
+    from .backbones import BackboneError
+    from .config import ConfigError
+    from .export import ExportError
+    from .records import RunDirError, RunExistsError
+    from .report import NoRunsFoundError
+
+    return (ConfigError, BackboneError, DatasetError, ExportError, NoRunsFoundError, AdapterError, RunExistsError,
+            RunDirError)
+
+
+@functools.lru_cache(maxsize=None)
+def user_errors() -> tuple:
+    """Every error a user can cause that carries its own message: bad inputs and runs that cannot finish."""
+    from .records import RunError
+
+    return (*input_errors(), RunError)
+
+
+def take_debug_flag(args: Sequence[str]) -> Tuple[bool, List[str]]:
+    """(debug requested, the arguments without ``--debug``)."""
+    rest = [a for a in args if a != DEBUG_FLAG]
+    env = os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
+    return env or len(rest) != len(args), rest
+
+
+def os_error_message(e: OSError) -> str:
+    """An OSError as the problem and what to do about it."""
+    name = e.filename
+    at = f" {name}" if name else ""
+    code = e.errno
+    if code in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
+        return (f"no space left on the device (or quota exceeded) writing{at}: free some space or choose another "
+                f"out= folder. Finished runs are kept, and a sweep resumes where it stopped")
+    if code == errno.EFBIG:
+        return (f"file too large writing{at}: a file size limit (`ulimit -f`) or the filesystem's; raise the limit or "
+                f"choose another out= folder")
+    if code == errno.EROFS:
+        return f"cannot write{at}: the file system is read-only; choose a writable out= folder"
+    if code in (errno.EACCES, errno.EPERM):
+        return f"permission denied:{at}; choose a folder you can write to (out=) or fix its permissions"
+    if code == errno.ELOOP:
+        return f"{name}: a symbolic link loop (too many levels of symbolic links); remove or fix the link"
+    if code == errno.ENOTDIR:
+        return f"{name}: a file stands where a folder is expected; give a folder path, or move the file away"
+    if code == errno.EISDIR:
+        return f"{name} is a folder where a file is expected; give a file path"
+    if code == errno.EEXIST:
+        return (f"{name} already exists and is in the way (a file where a folder is needed?); move it or choose "
+                f"another path")
+    if code == errno.ENOENT:
+        return f"no such file or folder: {name}" if name else f"{e.strerror}"
+    return f"{e.strerror or e}{':' + at if at else ''}"
+
+
+def describe(e: BaseException) -> Tuple[str, int]:
+    """(message, exit code) for an error that ended a command."""
+    if isinstance(e, input_errors()):
+        return str(e), 2
+    if isinstance(e, user_errors()):
+        return str(e), 1
+    if isinstance(e, OSError):
+        return os_error_message(e), 1
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":  # torch's CUDA OOM too
+        return "out of memory: use smaller batches (data.batch_size=..., train.batch_size=...) or a smaller backbone", 1
+    return (f"unexpected {type(e).__name__}: {e}. This is likely a bug in fewclip: rerun with {DEBUG_FLAG} (or "
+            f"{DEBUG_ENV}=1) to see where it happened, and please report it"), 1
