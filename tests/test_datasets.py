@@ -397,11 +397,11 @@ def test_imagenet_sketch_reads_wnid_folders(tmp_path):
     assert "sketch/ folder, renamed" in str(e.value)
 
 
-@pytest.mark.parametrize("name,folder,image_dir", [("imagenet_a", "imagenet-adversarial", "imagenet-a"),
-                                                   ("imagenet_r", "imagenet-rendition", "imagenet-r")])
-def test_imagenet_a_and_r_map_their_subset_onto_imagenet(tmp_path, name, folder, image_dir):
+@pytest.mark.parametrize("name,dataset_dir,image_dir", [("imagenet_a", "imagenet-adversarial", "imagenet-a"),
+                                                        ("imagenet_r", "imagenet-rendition", "imagenet-r")])
+def test_imagenet_a_and_r_map_their_subset_onto_imagenet(tmp_path, name, dataset_dir, image_dir):
     _imagenet_tree(tmp_path)
-    base = tmp_path / folder
+    base = tmp_path / dataset_dir
     _classnames_txt(base)  # all of ImageNet's classes, as CoOp's layout copies the file
     subset = ["n01443537", "n01491361"]  # 2 of the 5, as A and R hold 200 of the 1000
     for wnid in subset:
