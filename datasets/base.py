@@ -122,13 +122,25 @@ class Dataset:
     templates: List[str]
     splits: Dict[str, List[Item]] = field(default_factory=dict)
     root: Optional[Path] = None
+    # Stable identifiers of the classes, in label order, where the dataset has them (ImageNet's wnids):
+    # what matches classes across datasets (an ImageNet-A class to its ImageNet label). Empty: the
+    # class names serve.
+    class_ids: List[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.class_ids and len(self.class_ids) != len(self.classnames):
+            raise DatasetError(f"dataset {self.name!r}: {len(self.class_ids)} class ids for "
+                               f"{len(self.classnames)} classes")
 
     def __post_init__(self) -> None:
         self.classnames = check_classnames(self.classnames, f"dataset {self.name!r}")
 
     def items(self, split: str) -> List[Item]:
         if split not in self.splits:
-            raise DatasetError(f"dataset {self.name!r} has no {split!r} split (has: {sorted(self.splits)})")
+            hint = ""
+            if list(self.splits) == ["test"]:
+                hint = "; it is a test set only (a domain-shift target): train on its source and test here"
+            raise DatasetError(f"dataset {self.name!r} has no {split!r} split (has: {sorted(self.splits)}){hint}")
         return self.splits[split]
 
     def load_image(self, item: Item) -> Image.Image:

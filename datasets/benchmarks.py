@@ -1,4 +1,5 @@
-"""The eleven few-shot benchmarks of CoOp (Zhou et al.) in the layouts of CoOp's DATASETS.md.
+"""The eleven few-shot benchmarks of CoOp (Zhou et al.) and ImageNet's four shifted test sets, in the
+layouts of CoOp's DATASETS.md.
 
 ``data.root`` is the parent folder that holds the dataset folders (CoOp's
 ``$DATA``), so a tree prepared for CoOp or its successors works unchanged::
@@ -32,9 +33,27 @@ also uses that set as its validation set; here validation is held out of
 ``min(10, n // 5)`` files in SHA-1 order of their ids (see ``folder.hash_order``)
 form ``val`` and are not in ``train``.
 
+ImageNet's shifted test sets, the domain-generalisation targets of CoCoOp
+(test split only; read as CoOp's ``datasets/imagenetv2.py``,
+``imagenet_sketch.py``, ``imagenet_a.py`` and ``imagenet_r.py`` read them):
+``imagenet_v2`` (``imagenetv2/imagenetv2-matched-frequency-format-val/0..999``:
+folder i is ImageNet class i), ``imagenet_sketch`` (``imagenet-sketch/images/<wnid>``),
+``imagenet_a`` (``imagenet-adversarial/imagenet-a/<wnid>``) and ``imagenet_r``
+(``imagenet-rendition/imagenet-r/<wnid>``); each folder holds a copy of
+ImageNet's ``classnames.txt``. A and R have 200 wnid folders: their labels run
+0..199 over those folders sorted, their class names are ImageNet's for those
+wnids, and ``Dataset.class_ids`` holds the wnids, so that
+``protocols.class_map(imagenet, imagenet_a)`` gives each class's ImageNet label
+(its index among ImageNet's sorted wnids). Evaluating among those 200 classes,
+as CoOp and CoCoOp do, is building the classifier from these 200 names (or
+keeping those 200 columns of a 1000-class classifier). Every ImageNet-family
+dataset carries the wnids as ``class_ids``.
+
 Prompt templates: CoOp's hand-made template for the dataset first (what
 ``data.templates=single`` uses), then a short ensemble in the same spirit; for
-ImageNet, OpenAI's 80 ImageNet templates from ``open_clip.zero_shot_metadata``.
+ImageNet and its shifted sets, "a photo of a {}." (CoOp's ``trainers/zsclip.py``
+uses it for all five) and OpenAI's 80 ImageNet templates from
+``open_clip.zero_shot_metadata``.
 
 Building a benchmark reads its index files and checks that the first image of
 every class in every split exists; it opens no image.
@@ -77,6 +96,10 @@ EUROSAT_RENAMES = {
 # ImageNet validation images held out of train per class: min(this, n // 5).
 IMAGENET_VAL_PER_CLASS = 10
 
+# ImageNet and its shifted test sets: ImageNet's prompts (CoOp's single template, OpenAI's 80) and wnids as class ids.
+IMAGENET_FAMILY = ("imagenet", "imagenet_v2", "imagenet_sketch", "imagenet_a", "imagenet_r")
+_CLASSNAMES_TXT = "`-- classnames.txt      a copy of imagenet/classnames.txt (lines '<wnid> <class name>')"
+
 
 @dataclass(frozen=True)
 class Benchmark:
@@ -87,9 +110,10 @@ class Benchmark:
     templates: Tuple[str, ...]  # CoOp's single template first
     description: str
     tree: Tuple[str, ...]  # the lines under folder/ in the layout
-    reader: str = "zhou"  # "zhou" | "aircraft" | "imagenet"
+    reader: str = "zhou"  # "zhou" | "aircraft" | "imagenet" | "imagenet_v2" | "wnid_folders"
     rename: Mapping[str, str] = field(default_factory=dict)
     ignored: Tuple[str, ...] = ()
+    test_only: bool = False  # a domain-shift target: only a test split
 
     @property
     def layout(self) -> str:
@@ -129,6 +153,53 @@ _add(Benchmark(
         "                        1000 folders, open_clip's IMAGENET_CLASSNAMES are used)",
     ),
     reader="imagenet",
+))
+_add(Benchmark(
+    "imagenet_v2", "imagenetv2", "imagenetv2-matched-frequency-format-val", None,
+    ("a photo of a {}.",),
+    "ImageNet-V2 matched-frequency (1000 classes, test only): a domain-shift target of imagenet",
+    (
+        "|-- imagenetv2-matched-frequency-format-val/",
+        "|                       0/ ... 999/: folder i holds class i of ImageNet's index order",
+        "|                       (the sorted wnids), <hash>.jpeg files",
+        "`-- classnames.txt      a copy of imagenet/classnames.txt (if absent and there are",
+        "                        1000 folders, open_clip's IMAGENET_CLASSNAMES are used)",
+    ),
+    reader="imagenet_v2", test_only=True,
+))
+_add(Benchmark(
+    "imagenet_sketch", "imagenet-sketch", "images", None,
+    ("a photo of a {}.",),
+    "ImageNet-Sketch (1000 classes, test only): a domain-shift target of imagenet",
+    (
+        "|-- images/             <wnid>/<file>.JPEG, 1000 folders like n01440764/ (the download's",
+        "|                       sketch/ folder, renamed)",
+        "`-- classnames.txt      a copy of imagenet/classnames.txt (if absent and there are",
+        "                        1000 folders, open_clip's IMAGENET_CLASSNAMES are used)",
+    ),
+    reader="wnid_folders", test_only=True,
+))
+_add(Benchmark(
+    "imagenet_a", "imagenet-adversarial", "imagenet-a", None,
+    ("a photo of a {}.",),
+    "ImageNet-A natural adversarial examples (200 of ImageNet's classes, test only): a domain-shift "
+    "target of imagenet, evaluated among its 200 classes",
+    (
+        "|-- imagenet-a/         200 folders like n01498041/<file>.jpg (README.txt is ignored)",
+        _CLASSNAMES_TXT,
+    ),
+    reader="wnid_folders", test_only=True,
+))
+_add(Benchmark(
+    "imagenet_r", "imagenet-rendition", "imagenet-r", None,
+    ("a photo of a {}.",),
+    "ImageNet-R renditions: art, cartoons, sculptures... (200 of ImageNet's classes, test only): a "
+    "domain-shift target of imagenet, evaluated among its 200 classes",
+    (
+        "|-- imagenet-r/         200 folders like n01443537/<file>.jpg (README.txt is ignored)",
+        _CLASSNAMES_TXT,
+    ),
+    reader="wnid_folders", test_only=True,
 ))
 _add(_zhou(
     "caltech101", "caltech-101", "101_ObjectCategories", "split_zhou_Caltech101.json",
@@ -216,11 +287,15 @@ def _layout_error(b: Benchmark, message: str, root: Optional[Path] = None) -> Da
     return DatasetError(f"dataset {b.name!r}: {message}{hint}; expected layout:\n{b.layout}")
 
 
-def _read_zhou(b: Benchmark, base: Path, image_root: Path, root: Path) -> Tuple[List[str], Dict[str, List[Item]]]:
+# What a reader returns: class names, {split: items} and the class ids (ImageNet wnids; [] = none).
+Read = Tuple[List[str], Dict[str, List[Item]], List[str]]
+
+
+def _read_zhou(b: Benchmark, base: Path, image_root: Path, root: Path) -> Read:
     path = base / b.split_json
     if not path.is_file():
         raise _layout_error(b, f"split file {path} not found", root)
-    return read_split_file(path, rename=b.rename, ignored=b.ignored)
+    return (*read_split_file(path, rename=b.rename, ignored=b.ignored), [])
 
 
 def _read_lines(b: Benchmark, path: Path) -> List[str]:
@@ -230,7 +305,7 @@ def _read_lines(b: Benchmark, path: Path) -> List[str]:
         return [line.strip() for line in f]
 
 
-def _read_aircraft(b: Benchmark, base: Path, image_root: Path, root: Path) -> Tuple[List[str], Dict[str, List[Item]]]:
+def _read_aircraft(b: Benchmark, base: Path, image_root: Path, root: Path) -> Read:
     variants = [v for v in _read_lines(b, base / "variants.txt") if v]
     label_of = {v: i for i, v in enumerate(variants)}
     if not variants or len(label_of) != len(variants):
@@ -248,7 +323,24 @@ def _read_aircraft(b: Benchmark, base: Path, image_root: Path, root: Path) -> Tu
                     f"{path}, line {lineno}: {line!r}: variant {variant!r} is not in {base / 'variants.txt'}"
                 )
             items.append(Item(f"images/{image_id}.jpg", label_of[variant]))
-    return [clean_classname(v) for v in variants], splits
+    return [clean_classname(v) for v in variants], splits, []
+
+
+def _read_wnid_names(b: Benchmark, path: Path) -> Dict[str, str]:
+    """CoOp's ``classnames.txt``: lines '<wnid> <class name>', in file order."""
+    names: Dict[str, str] = {}
+    for lineno, line in enumerate(_read_lines(b, path), 1):
+        if not line:
+            continue
+        wnid, _, name = line.partition(" ")
+        if not name.strip():
+            raise DatasetError(f"{path}, line {lineno}: {line!r}: expected '<wnid> <class name>'")
+        if wnid in names:
+            raise DatasetError(f"{path}, line {lineno}: wnid {wnid} is listed twice")
+        names[wnid] = name.strip()
+    if not names:
+        raise _layout_error(b, f"{path} lists no classes")
+    return names
 
 
 def _read_imagenet_classnames(b: Benchmark, path: Path, wnids: List[str], root: Path) -> List[str]:
@@ -260,21 +352,14 @@ def _read_imagenet_classnames(b: Benchmark, path: Path, wnids: List[str], root: 
         from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES  # same order as the sorted wnids
 
         return list(IMAGENET_CLASSNAMES)
-    names: Dict[str, str] = {}
-    for lineno, line in enumerate(_read_lines(b, path), 1):
-        if not line:
-            continue
-        wnid, _, name = line.partition(" ")
-        if not name.strip():
-            raise DatasetError(f"{path}, line {lineno}: {line!r}: expected '<wnid> <class name>'")
-        names[wnid] = name.strip()
+    names = _read_wnid_names(b, path)
     missing = [w for w in wnids if w not in names]
     if missing:
         raise DatasetError(f"{path} has no class name for the folder(s) {', '.join(missing[:5])}")
     return [names[w] for w in wnids]
 
 
-def _read_imagenet(b: Benchmark, base: Path, image_root: Path, root: Path) -> Tuple[List[str], Dict[str, List[Item]]]:
+def _read_imagenet(b: Benchmark, base: Path, image_root: Path, root: Path) -> Read:
     train_dir, val_dir = image_root / "train", image_root / "val"
     for d in (train_dir, val_dir):
         if not d.is_dir():
@@ -297,15 +382,57 @@ def _read_imagenet(b: Benchmark, base: Path, image_root: Path, root: Path) -> Tu
         if wnid not in label_of:
             raise _layout_error(b, f"{val_dir / wnid} has no matching folder in {train_dir}")
         splits["test"].extend(Item(f"val/{wnid}/{n}", label_of[wnid]) for n in list_images(val_dir / wnid))
-    return classnames, splits
+    return classnames, splits, wnids
 
 
-_READERS = {"zhou": _read_zhou, "aircraft": _read_aircraft, "imagenet": _read_imagenet}
+def _read_imagenet_v2(b: Benchmark, base: Path, image_root: Path, root: Path) -> Read:
+    """Folders ``0`` .. ``C-1``: folder i is class i of ImageNet's index order, the sorted wnids."""
+    path = base / "classnames.txt"
+    folders = list_class_folders(image_root)
+    if path.is_file():
+        names = _read_wnid_names(b, path)
+        wnids = sorted(names)
+        classnames = [names[w] for w in wnids]
+    elif len(folders) == 1000:
+        from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES  # ImageNet's index order
+
+        wnids, classnames = [], list(IMAGENET_CLASSNAMES)
+    else:
+        raise _layout_error(b, f"{path} not found (only a full 1000-class tree can use open_clip's class names)",
+                            root)
+    expected = [str(i) for i in range(len(classnames))]
+    missing = [f for f in expected if f not in set(folders)]
+    extra = sorted(set(folders) - set(expected))
+    if missing or extra:
+        what = (f"class folder(s) {', '.join(missing[:5])} missing" if missing
+                else f"unexpected folder(s) {', '.join(extra[:5])}")
+        raise _layout_error(b, f"{image_root}: {what}; ImageNet-V2's folders are 0..{len(classnames) - 1}, "
+                               f"one per class of {path.name}", root)
+    items = [Item(f"{i}/{n}", i) for i in range(len(classnames)) for n in list_images(image_root / str(i))]
+    return classnames, {"test": items}, wnids
+
+
+def _read_wnid_folders(b: Benchmark, base: Path, image_root: Path, root: Path) -> Read:
+    """Sorted wnid folders (ImageNet-Sketch: all 1000; ImageNet-A and -R: 200 of them), test only."""
+    wnids = list_class_folders(image_root)
+    if not wnids:
+        raise _layout_error(b, f"{image_root} has no class folders", root)
+    path = base / "classnames.txt"
+    if not path.is_file() and len(wnids) != 1000:
+        raise _layout_error(b, f"{path} not found (it names the {len(wnids)} wnid folders: copy ImageNet's "
+                               f"classnames.txt here)", root)
+    classnames = _read_imagenet_classnames(b, path, wnids, root)
+    items = [Item(f"{w}/{n}", y) for y, w in enumerate(wnids) for n in list_images(image_root / w)]
+    return classnames, {"test": items}, wnids
+
+
+_READERS = {"zhou": _read_zhou, "aircraft": _read_aircraft, "imagenet": _read_imagenet,
+            "imagenet_v2": _read_imagenet_v2, "wnid_folders": _read_wnid_folders}
 
 
 def _templates(b: Benchmark) -> List[str]:
     templates = list(b.templates)
-    if b.name == "imagenet":
+    if b.name in IMAGENET_FAMILY:
         from open_clip.zero_shot_metadata import OPENAI_IMAGENET_TEMPLATES
 
         templates += [t("{}") for t in OPENAI_IMAGENET_TEMPLATES]
@@ -323,15 +450,20 @@ def build_benchmark(b: Benchmark, cfg: DataConfig) -> Dataset:
     if not image_root.is_dir():
         raise _layout_error(b, f"image folder {image_root} not found", root)
     if cfg.split_file:
+        if b.test_only:
+            raise DatasetError(f"dataset {b.name!r} is a test set only; it takes no data.split_file")
         split_path = resolve_split_file(cfg.split_file, base)
         classnames, splits = read_split_file(split_path, rename=b.rename, ignored=b.ignored)
+        class_ids: List[str] = []
         source = f"split file {split_path}"
     else:
-        classnames, splits = _READERS[b.reader](b, base, image_root, root)
+        classnames, splits, class_ids = _READERS[b.reader](b, base, image_root, root)
         source = f"split file {base / b.split_json}" if b.split_json else f"dataset {b.name!r}"
-    for split in SPLITS:
-        check_files(image_root, splits[split], source=source, layout=b.layout, every=False)
-    return Dataset(b.name, classnames, _templates(b), splits, image_root)
+    for items in splits.values():
+        check_files(image_root, items, source=source, layout=b.layout, every=False)
+    if b.test_only and not splits["test"]:
+        raise _layout_error(b, f"no test images found under {image_root}", root)
+    return Dataset(b.name, classnames, _templates(b), splits, image_root, class_ids=class_ids)
 
 
 for _b in BENCHMARKS.values():

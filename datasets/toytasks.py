@@ -1,16 +1,24 @@
 """Downstream classification tasks on the toy world (no files needed).
 
-Each task fixes one attribute to the class label and draws the others at
-random. Item ids are ``"<split>/<index>"``; the image is rendered from
-``(task seed, split offset + index)``, so it is the same on every machine.
+Each task fixes one attribute (toy-objects: two) to the class label and draws
+the others at random. Item ids are ``"<split>/<index>"``; the image is rendered
+from ``(task seed, split offset + index)``, so it is the same on every machine.
 
-| task            | label     | classes | what makes it hard                                           |
-|-----------------|-----------|---------|--------------------------------------------------------------|
-| toy-shapes      | shape     | 8       | little: clean photos, shapes named in 95% of captions        |
-| toy-sketch      | shape     | 8       | a drawing style that is 2% of pretraining                    |
-| toy-patterns    | pattern   | 5       | grainy, low-contrast scans (noise 25, contrast 0.45)         |
-| toy-positions   | position  | 5       | low-contrast, noisy images (noise 60, contrast 0.4)          |
-| toy-colours     | colour    | 8       | faded, noisy images (contrast 0.3, noise 40)                 |
+| task               | label        | classes | what makes it hard                                        |
+|--------------------|--------------|---------|-----------------------------------------------------------|
+| toy-shapes         | shape        | 8       | little: clean photos, shapes named in 95% of captions     |
+| toy-sketch         | shape        | 8       | a drawing style that is 2% of pretraining                 |
+| toy-patterns       | pattern      | 5       | grainy, low-contrast scans (noise 25, contrast 0.45)      |
+| toy-positions      | position     | 5       | low-contrast, noisy images (noise 60, contrast 0.4)       |
+| toy-colours        | colour       | 8       | faded, noisy images (contrast 0.3, noise 40)              |
+| toy-objects        | colour+shape | 64      | faded, grainy images (noise 25, contrast 0.5)             |
+| toy-shapes-outline | shape        | 4       | outlines (10% of pretraining) of 4 of the 8 shapes        |
+| toy-shapes-faded   | shape        | 8       | faded, grainy images (noise 30, contrast 0.45)            |
+
+The last three serve the generalisation protocols (``fewclip.datasets.protocols``):
+toy-objects for base-to-novel (32 base, 32 new classes) and as the source of
+cross-dataset transfer to the first five; toy-sketch, toy-shapes-outline and
+toy-shapes-faded as shifted versions of toy-shapes (domain generalisation).
 
 The rendering shifts (``noise``, ``contrast``) are applied after the toy world's
 own rendering and never occur in pretraining: like a real benchmark whose
@@ -37,11 +45,14 @@ _SPLIT_OFFSET = {"train": 0, "val": 10_000_000, "test": 20_000_000}
 @dataclass(frozen=True)
 class ToyTaskSpec:
     name: str
+    # The attribute the label fixes, or several joined by "+" ("colour+shape"): then each class
+    # shows one value of each, and its name (or ``values`` entry) lists them in that order.
     attribute: str
     classnames: Tuple[str, ...]
     templates: Tuple[str, ...]
     fixed: Tuple[Tuple[str, str], ...] = ()  # attributes pinned for every image
-    # The attribute value each class shows, when the class names are other words (default: the names).
+    # The attribute value(s) each class shows, when the class names are other words (default: the names);
+    # for several attributes, the values separated by spaces ("red circle").
     values: Tuple[str, ...] = ()
     style: str = "photo"
     per_class: Tuple[int, int, int] = (64, 16, 100)  # train, val, test images per class
@@ -57,6 +68,21 @@ class ToyTaskSpec:
     @property
     def seed(self) -> int:
         return zlib.crc32(self.name.encode()) & 0x7FFFFFFF
+
+    @property
+    def attributes(self) -> Tuple[str, ...]:
+        return tuple(self.attribute.split("+"))
+
+    def class_values(self) -> List[Dict[str, str]]:
+        """Per class, the value it shows of each labelled attribute: ``[{"colour": "red", "shape": "circle"}, ...]``."""
+        out = []
+        for v in self.values or self.classnames:
+            words = v.split()
+            if len(words) != len(self.attributes):
+                raise ValueError(f"toy task {self.name!r}: class value {v!r} does not name one value of each "
+                                 f"of {self.attributes}")
+            out.append(dict(zip(self.attributes, words)))
+        return out
 
 
 # The first template of every task is CoOp's plain "a photo of a {}." (what `data.templates=single`
@@ -137,6 +163,48 @@ _add(ToyTaskSpec(
 ))
 
 
+# Three tasks for the generalisation protocols (see fewclip.datasets.protocols). toy-objects has 64 classes,
+# enough for base-to-novel (CoCoOp's rule: the first 32 labels, the colours red, green, blue and yellow on
+# every shape, are base; purple, orange, cyan and white are new), and is the source of the toy
+# cross-dataset transfer. toy-shapes-outline and toy-shapes-faded are, with toy-sketch, the shifted
+# versions of toy-shapes; toy-shapes-outline holds half of its classes, as ImageNet-A and -R hold 200
+# of ImageNet's 1000.
+_add(ToyTaskSpec(
+    name="toy-objects",
+    attribute="colour+shape",
+    classnames=tuple(f"{c} {s}" for c in tw.COLOURS for s in tw.SHAPES),
+    templates=(
+        "a photo of a {}.",
+        "a {}.",
+        "a picture of a {}.",
+        "an image of a {}.",
+        "a {} on a background.",
+    ),
+    noise=25.0,
+    contrast=0.5,
+    description="64 coloured objects (8 colours x 8 shapes, 'red circle') in faded, grainy images: "
+                "base-to-novel and the source of cross-dataset transfer",
+))
+_add(ToyTaskSpec(
+    name="toy-shapes-outline",
+    attribute="shape",
+    classnames=("circle", "triangle", "cross", "ring"),
+    templates=_SHAPE_TEMPLATES,
+    style="outline",
+    description="4 of toy-shapes' 8 shapes drawn as outlines (10% of pretraining): a domain-shift target "
+                "of toy-shapes with a subset of its classes",
+))
+_add(ToyTaskSpec(
+    name="toy-shapes-faded",
+    attribute="shape",
+    classnames=tuple(tw.SHAPES),
+    templates=_SHAPE_TEMPLATES,
+    noise=30.0,
+    contrast=0.45,
+    description="toy-shapes' 8 shapes in faded, grainy images: a domain-shift target of toy-shapes",
+))
+
+
 class ToyTask(Dataset):
     """A toy-world task; images are rendered on demand and cached per split."""
 
@@ -153,9 +221,11 @@ class ToyTask(Dataset):
         self._cache: Dict[str, np.ndarray] = {}
 
     def _fixed(self, labels: np.ndarray) -> Dict[str, np.ndarray]:
-        values = self.spec.values or self.spec.classnames
-        lut = np.array([tw.ATTRIBUTES[self.spec.attribute].index(v) for v in values], dtype=np.int64)
-        fixed: Dict[str, np.ndarray] = {self.spec.attribute: lut[labels]}
+        fixed: Dict[str, np.ndarray] = {}
+        per_class = self.spec.class_values()
+        for attr in self.spec.attributes:
+            lut = np.array([tw.ATTRIBUTES[attr].index(v[attr]) for v in per_class], dtype=np.int64)
+            fixed[attr] = lut[labels]
         for attr, value in self.spec.fixed:
             fixed[attr] = np.full_like(labels, tw.ATTRIBUTES[attr].index(value))
         fixed["style"] = np.full_like(labels, tw.STYLES.index(self.spec.style))

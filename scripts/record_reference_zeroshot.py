@@ -8,7 +8,10 @@ template ensemble), the same path as ``fewclip zeroshot backbone=CARD
 data=TASK data.max_test=200 backbone.device=cpu``. ``tests/test_reference.py``
 recomputes every number and compares it to the recorded one to two decimals,
 so a change to the loader, the geometries, the toy world or the weights that
-moves a reference accuracy fails loudly. Rerun this script only when such a
+moves a reference accuracy fails loudly. It also records the base and new
+halves of toy-objects (CoCoOp's base-to-novel split, ``protocols.plan_base2new``),
+each on its own 200-image subset with the same seed, so a change to the class
+split or to the class-subset view fails as well. Rerun this script only when such a
 change is intended, and say why in the commit message.
 """
 import logging
@@ -21,6 +24,7 @@ import torch
 from fewclip.backbones import REFERENCE_DIR, BackboneConfig, load_backbone, shipped_cards
 from fewclip.cli import setup_logging
 from fewclip.datasets import DataConfig, build_dataset
+from fewclip.datasets.protocols import plan_base2new
 from fewclip.datasets.toytasks import TASKS
 from fewclip.io import atomic_write_json
 from fewclip.zeroshot import evaluate_zeroshot
@@ -33,12 +37,15 @@ SUBSET_SEED = 1
 TEMPLATES = "ensemble"
 DEVICE = "cpu"
 COMMAND = "python scripts/record_reference_zeroshot.py"
+BASE2NEW_TASK = "toy-objects"
 
 
 def record() -> dict:
     """Zero-shot top-1 (percent, 2 decimals) per shipped card and toy task."""
     datasets = {task: build_dataset(DataConfig(name=task, max_test=MAX_TEST)) for task in TASKS}
+    halves = {e.name: e.dataset for e in plan_base2new(datasets[BASE2NEW_TASK]).evals}
     top1, n_test, sha = {}, {}, {}
+    b2n_top1, b2n_n_test = {}, {}
     for card, path in shipped_cards().items():
         bb = load_backbone(BackboneConfig(name=str(path), device=DEVICE))
         sha[card] = bb.weights_sha256
@@ -47,6 +54,11 @@ def record() -> dict:
             m = evaluate_zeroshot(bb, ds, templates=TEMPLATES, max_test=MAX_TEST, seed=SUBSET_SEED)
             top1[card][task] = round(m["top1"], 2)
             n_test[task] = m["n_test"]
+        b2n_top1[card] = {}
+        for half, ds in halves.items():
+            m = evaluate_zeroshot(bb, ds, templates=TEMPLATES, max_test=MAX_TEST, seed=SUBSET_SEED)
+            b2n_top1[card][half] = round(m["top1"], 2)
+            b2n_n_test[half] = m["n_test"]
     return {
         "format": FORMAT,
         "command": COMMAND,
@@ -55,6 +67,7 @@ def record() -> dict:
         "device": f"{DEVICE} ({platform.machine()}), torch {torch.__version__}",
         "weights_sha256": sha,
         "top1": top1,
+        "base2new": {"task": BASE2NEW_TASK, "n_test": b2n_n_test, "top1": b2n_top1},
     }
 
 
@@ -67,6 +80,9 @@ def main(argv) -> int:
     print(f"{'backbone':12s} " + " ".join(f"{t:>14s}" for t in tasks))
     for card, row in result["top1"].items():
         print(f"{card:12s} " + " ".join(f"{row[t]:13.2f}%" for t in tasks))
+    b2n = result["base2new"]
+    for card, row in b2n["top1"].items():
+        print(f"{card:12s} {b2n['task']} base {row['base']:.2f}%  new {row['new']:.2f}%")
     print(f"-> {out}")
     return 0
 

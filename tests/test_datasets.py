@@ -13,6 +13,7 @@ from fewclip.datasets.folder import LAYOUT, split_counts
 BENCHMARK_NAMES = [
     "imagenet", "caltech101", "oxford_pets", "stanford_cars", "oxford_flowers", "food101",
     "fgvc_aircraft", "sun397", "dtd", "eurosat", "ucf101",
+    "imagenet_v2", "imagenet_sketch", "imagenet_a", "imagenet_r",
 ]
 
 
@@ -310,3 +311,124 @@ def test_imagenet_reads_classnames_and_holds_out_val(tmp_path):
     with pytest.raises(DatasetError, match="classnames.txt not found") as e:
         _build("imagenet", tmp_path)
     assert DATASETS["imagenet"].layout in str(e.value)
+
+
+# ---------------------------------------------------------------- ImageNet's shifted test sets
+
+# A five-class "ImageNet": classnames.txt lines in the sorted wnid order (ImageNet's index order).
+WNIDS = {"n01440764": "tench", "n01443537": "goldfish", "n01484850": "great white shark",
+         "n01491361": "tiger shark", "n01494475": "hammerhead shark"}
+
+
+def _classnames_txt(folder: Path, wnids=WNIDS, order=None) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    order = order or list(wnids)
+    (folder / "classnames.txt").write_text("".join(f"{w} {wnids[w]}\n" for w in order))
+
+
+def _imagenet_tree(data: Path) -> None:
+    for wnid in WNIDS:
+        for split, n in (("train", 5), ("val", 2)):
+            for i in range(n):
+                _png(data / "imagenet" / "images" / split / wnid / f"{wnid}_{i}.JPEG")
+    _classnames_txt(data / "imagenet")
+
+
+def test_imagenet_has_wnids_as_class_ids(tmp_path):
+    _imagenet_tree(tmp_path)
+    ds = _build("imagenet", tmp_path)
+    assert ds.class_ids == sorted(WNIDS) and ds.classnames == [WNIDS[w] for w in sorted(WNIDS)]
+
+
+def test_imagenet_v2_reads_numbered_folders_in_imagenet_order(tmp_path):
+    base = tmp_path / "imagenetv2"
+    # classnames.txt in another order than the index order: folder i is still the i-th wnid in sorted order
+    _classnames_txt(base, order=sorted(WNIDS, reverse=True))
+    image_dir = base / "imagenetv2-matched-frequency-format-val"
+    for i in range(5):
+        for j in range(i + 1):
+            _png(image_dir / str(i) / f"{j:040x}.jpeg")
+    ds = _build("imagenet_v2", tmp_path)
+    assert ds.classnames == ["tench", "goldfish", "great white shark", "tiger shark", "hammerhead shark"]
+    assert ds.class_ids == sorted(WNIDS)
+    assert list(ds.splits) == ["test"] and _label_counts(ds.items("test")) == {0: 1, 1: 2, 2: 3, 3: 4, 4: 5}
+    assert ds.items("test")[0] == Item(f"0/{0:040x}.jpeg", 0) and ds.root == image_dir
+    assert ds.load_image(ds.items("test")[-1]).size == (4, 4)
+    assert ds.templates[0] == "a photo of a {}." and len(ds.templates) > 50  # ImageNet's prompts
+    with pytest.raises(DatasetError, match="test set only"):
+        ds.items("train")
+
+    (image_dir / "7").mkdir()
+    with pytest.raises(DatasetError, match="unexpected folder.*7") as e:
+        _build("imagenet_v2", tmp_path)
+    assert DATASETS["imagenet_v2"].layout in str(e.value)
+    (image_dir / "7").rmdir()
+    for f in (image_dir / "3").iterdir():
+        f.unlink()
+    (image_dir / "3").rmdir()
+    with pytest.raises(DatasetError, match="folder.* 3 missing"):
+        _build("imagenet_v2", tmp_path)
+    (base / "classnames.txt").unlink()
+    with pytest.raises(DatasetError, match="classnames.txt not found") as e:
+        _build("imagenet_v2", tmp_path)
+    assert "imagenetv2-matched-frequency-format-val/" in str(e.value)
+
+
+def test_imagenet_sketch_reads_wnid_folders(tmp_path):
+    base = tmp_path / "imagenet-sketch"
+    _classnames_txt(base)
+    for wnid in WNIDS:
+        for i in range(3):
+            _png(base / "images" / wnid / f"sketch_{i}.JPEG")
+    ds = _build("imagenet_sketch", tmp_path)
+    assert ds.classnames == [WNIDS[w] for w in sorted(WNIDS)] and ds.class_ids == sorted(WNIDS)
+    assert list(ds.splits) == ["test"] and _label_counts(ds.items("test")) == {y: 3 for y in range(5)}
+    assert ds.items("test")[0] == Item("n01440764/sketch_0.JPEG", 0)
+    assert ds.templates == _build("imagenet_sketch", tmp_path).templates and ds.templates[0] == "a photo of a {}."
+
+    _png(base / "images" / "n09999999" / "x.JPEG")  # a folder classnames.txt does not name
+    with pytest.raises(DatasetError, match="n09999999"):
+        _build("imagenet_sketch", tmp_path)
+    with pytest.raises(DatasetError, match="takes no data.split_file"):
+        _build("imagenet_sketch", tmp_path, split_file="split.json")
+    (base / "images").rename(base / "sketch")  # the download's folder name, not CoOp's
+    with pytest.raises(DatasetError, match="images not found") as e:
+        _build("imagenet_sketch", tmp_path)
+    assert "sketch/ folder, renamed" in str(e.value)
+
+
+@pytest.mark.parametrize("name,dataset_dir,image_dir", [("imagenet_a", "imagenet-adversarial", "imagenet-a"),
+                                                        ("imagenet_r", "imagenet-rendition", "imagenet-r")])
+def test_imagenet_a_and_r_map_their_subset_onto_imagenet(tmp_path, name, dataset_dir, image_dir):
+    _imagenet_tree(tmp_path)
+    base = tmp_path / dataset_dir
+    _classnames_txt(base)  # all of ImageNet's classes, as CoOp's layout copies the file
+    subset = ["n01443537", "n01491361"]  # 2 of the 5, as A and R hold 200 of the 1000
+    for wnid in subset:
+        for i in range(2):
+            _png(base / image_dir / wnid / f"{i}.jpg")
+    (base / image_dir / "README.txt").write_text("not a class")
+    ds = _build(name, tmp_path)
+    assert ds.classnames == ["goldfish", "tiger shark"] and ds.class_ids == subset
+    assert _label_counts(ds.items("test")) == {0: 2, 1: 2}
+    assert ds.items("test")[2] == Item("n01491361/0.jpg", 1)
+    # its classes are ImageNet's labels 1 and 3 (the index among ImageNet's sorted wnids)
+    from fewclip.datasets.protocols import class_map
+
+    imagenet = _build("imagenet", tmp_path)
+    assert class_map(imagenet, ds) == [1, 3]
+    assert [imagenet.classnames[y] for y in class_map(imagenet, ds)] == ds.classnames
+
+    (base / "classnames.txt").unlink()
+    with pytest.raises(DatasetError, match="classnames.txt not found.*copy ImageNet's classnames.txt") as e:
+        _build(name, tmp_path)
+    assert DATASETS[name].layout in str(e.value) and f"{image_dir}/" in str(e.value)
+
+
+def test_imagenet_shift_sets_without_images_are_errors(tmp_path):
+    _classnames_txt(tmp_path / "imagenet-rendition")
+    (tmp_path / "imagenet-rendition" / "imagenet-r" / "n01443537").mkdir(parents=True)
+    with pytest.raises(DatasetError, match="no test images"):
+        _build("imagenet_r", tmp_path)
+    with pytest.raises(DatasetError, match="imagenet-adversarial not found"):
+        _build("imagenet_a", tmp_path)

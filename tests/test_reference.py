@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 from fewclip.backbones import REFERENCE_DIR, BackboneConfig, load_backbone, sha256_file, shipped_cards
 from fewclip.datasets import DataConfig, build_dataset
+from fewclip.datasets.protocols import plan_base2new
 from fewclip.datasets.toytasks import TASKS
 from fewclip.pretrain import RECIPES, TOY_MEAN, TOY_STD, PretrainConfig, batch_tensors, pretrain, save_reference
 from fewclip.zeroshot import evaluate_zeroshot
@@ -61,6 +62,9 @@ def test_record_covers_every_card_and_task(record):
         assert set(row) == set(TASKS), f"{card}: recorded tasks differ from the toy tasks; {RERUN}"
     assert record["subset"]["max_test"] == 200 and record["subset"]["seed"] == 1
     assert "scripts/record_reference_zeroshot.py" in record["command"]
+    b2n = record["base2new"]
+    assert b2n["task"] in TASKS and set(b2n["top1"]) == set(shipped_cards()), RERUN
+    assert all(set(row) == {"base", "new"} for row in b2n["top1"].values())
 
 
 @pytest.mark.parametrize("name", sorted(GEOMETRIES))
@@ -77,6 +81,18 @@ def test_zeroshot_accuracy_is_as_recorded(name, record, toy_datasets):
     assert got == want, f"{name}: zero-shot top-1 moved; {RERUN}"
     # every reference model does better than chance on the task its captions name most
     assert got["toy-shapes"] > 3 * 100 / len(TASKS["toy-shapes"].classnames)
+
+    # the base and new halves of the base-to-novel task, each among its own classes
+    b2n = record["base2new"]
+    halves = {e.name: e.dataset for e in plan_base2new(toy_datasets[b2n["task"]]).evals}
+    got = {}
+    for half, ds in halves.items():
+        m = evaluate_zeroshot(bb, ds, templates=subset["templates"], max_test=subset["max_test"], seed=subset["seed"])
+        assert m["n_test"] == b2n["n_test"][half]
+        got[half] = round(m["top1"], 2)
+    assert got == b2n["top1"][name], f"{name}: base-to-novel zero-shot moved; {RERUN}"
+    # imperfect on both halves: far above chance (32 classes each), far below 100%
+    assert all(10 * 100 / len(ds.classnames) < got[h] < 85 for h, ds in halves.items()), got
 
 
 # ---------------------------------------------------------------- the pretraining recipe

@@ -174,10 +174,12 @@ def toy_datasets():
 def test_toy_task_splits_are_balanced(toy_datasets, task):
     ds, spec = toy_datasets[task], TASKS[task]
     assert ds.classnames == list(spec.classnames)
-    # each class shows one value of the task's attribute (the class name itself, or spec.values)
-    values = list(spec.values or spec.classnames)
-    assert len(values) == len(set(values)) == len(ds.classnames)
-    assert set(values) <= set(tw.ATTRIBUTES[spec.attribute])
+    # each class shows one value of each labelled attribute (named by the class name, or spec.values),
+    # and no two classes show the same values
+    values = spec.class_values()
+    assert len(values) == len({tuple(v.values()) for v in values}) == len(ds.classnames)
+    for attr in spec.attributes:
+        assert {v[attr] for v in values} <= set(tw.ATTRIBUTES[attr])
     assert ds.templates and all(t.count("{}") == 1 for t in ds.templates)
     C = len(ds.classnames)
     ids = set()
@@ -228,6 +230,40 @@ def test_toy_positions_put_the_object_where_the_label_says(toy_datasets):
     assert mean["left"][0] < 11 and mean["right"][0] > 20
     assert mean["top"][1] < 11 and mean["bottom"][1] > 20
     assert all(13 < v < 19 for v in mean["center"])
+
+
+def test_toy_objects_show_the_colour_and_shape_their_label_names(toy_datasets):
+    ds = toy_datasets["toy-objects"]
+    assert len(ds.classnames) == 64 and ds.classnames[:2] == ["red circle", "red square"]
+    assert TASKS["toy-objects"].attributes == ("colour", "shape")
+    # the scene drawn for each test image pins both attributes to the label's values
+    scene = tw.sample_scene(ds.spec.seed, np.arange(64) + 20_000_000, ds._fixed(np.arange(64)))
+    for c in range(64):
+        attrs = scene.attrs(c)
+        assert f"{attrs['colour']} {attrs['shape']}" == ds.classnames[c]
+    # a red object is redder than a blue one, on average over the red and blue classes, despite the fading
+    x = ds.render_split("test").astype(np.float32)
+    labels = np.array([it.label for it in ds.items("test")])
+    red, blue = labels // 8 == tw.COLOURS.index("red"), labels // 8 == tw.COLOURS.index("blue")
+    rb = x[..., 0] - x[..., 2]
+    assert rb[red].mean() > rb[blue].mean() + 5
+
+
+def test_toy_shift_targets_share_toy_shapes_classes():
+    shapes = TASKS["toy-shapes"].classnames
+    for name in ("toy-sketch", "toy-shapes-outline", "toy-shapes-faded"):
+        spec = TASKS[name]
+        assert spec.attribute == "shape" and set(spec.classnames) <= set(shapes)
+        assert [c for c in shapes if c in spec.classnames] == list(spec.classnames)  # same relative order
+    assert TASKS["toy-shapes-outline"].style == "outline" and len(TASKS["toy-shapes-outline"].classnames) == 4
+
+
+def test_toy_task_spec_rejects_a_class_that_does_not_name_every_attribute():
+    from fewclip.datasets.toytasks import ToyTaskSpec
+
+    spec = ToyTaskSpec(name="x", attribute="colour+shape", classnames=("red circle", "blue"), templates=("{}",))
+    with pytest.raises(ValueError, match="'blue'.*colour"):
+        spec.class_values()
 
 
 def test_toy_sketch_images_are_sketches(toy_datasets):
