@@ -170,7 +170,7 @@ def test_base_shots_are_the_few_shot_protocols_shots_of_those_classes(toy):
 
 
 def test_base2new_needs_test_images_in_both_halves():
-    ds = small(3, per_class=(2, 1, 1))
+    ds = small(4, per_class=(2, 1, 1))  # two classes per half: a one-class half is refused for another reason
     ds.splits["test"] = [it for it in ds.splits["test"] if it.label < 2]
     with pytest.raises(DatasetError, match=r"small\[new\] has no test images"):
         plan_base2new(ds)
