@@ -226,8 +226,7 @@ class CoOp(Adapter):
         return g.prototype(emb.unsqueeze(1))  # one "template" per class
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        g = self.backbone.geometry
-        return g.logits(g.embed_image(features.to(self.ctx.device)), self.prototypes())
+        return self.backbone.geometry.image_logits(features, self.prototypes())
 
     @torch.no_grad()
     def nearest_words(self, k: int = 3) -> List[List[List[str]]]:

@@ -38,7 +38,9 @@ images only choose ``C``; ``refit="train+val"`` follows CLIP and refits at the
 chosen ``C`` on both. ``fit`` reports the validation accuracy of the
 train-only classifier at the chosen ``C`` either way.
 
-Which features the probe sees, by geometry (``probe_features``):
+Which features the probe sees, by geometry (``probe_features``: the
+geometry's ``to_linear`` of its embedding, so the probe never asks which
+geometry it has):
 
 =============================  ===============================================
 geometry                       probe features
@@ -70,12 +72,12 @@ would change the geometry the backbone was trained in.
 One learnable vector ``v_c`` per class, turned into a class point of the
 backbone's geometry and scored exactly like a zero-shot prototype::
 
-    logits = geometry.logits(embed_image(raw), point(v))
+    logits = geometry.image_logits(raw, geometry.from_linear(v))
 
-with ``point(v) = l2_normalize(v)`` (clip, elliptic, sigmoid), ``v``
+with ``from_linear(v) = l2_normalize(v)`` (clip, elliptic, sigmoid), ``v``
 (euclidean, euclidean_sq) or ``exp_map0(v, c)`` (hyperbolic, hyperbolic_sq).
 ``v`` starts at the zero-shot prototypes of ``text_prototypes(backbone,
-classnames, templates)`` (through ``log_map0`` for the hyperbolic geometries),
+classnames, templates)`` (through ``to_linear``, the log map, for the hyperbolic geometries),
 so before training the logits are the zero-shot logits. This is the
 zero-shot-initialised linear probe (ZS-LP) of Silva-Rodriguez et al. (CVPR
 2024) with a fixed-strength version of their pull towards the zero-shot
@@ -118,17 +120,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fewclip.features import progress, text_prototypes
-from fewclip.geometry import (
-    CLIPGeometry,
-    EllipticGeometry,
-    EuclideanGeometry,
-    Geometry,
-    HyperbolicGeometry,
-    SigmoidGeometry,
-    exp_map0,
-    l2_normalize,
-    log_map0,
-)
+from fewclip.geometry import Geometry
 
 from .base import Adapter, AdapterConfig, register_adapter
 
@@ -139,47 +131,13 @@ REFITS = ("train", "train+val")
 
 
 # -----------------------------------------------------------------------------
-# geometry: which vector space a linear model works in
-
-
-def _space(geometry: Geometry) -> str:
-    """``"sphere"``, ``"euclidean"`` or ``"lorentz"``: how a probe treats ``geometry``."""
-    if isinstance(geometry, (CLIPGeometry, EllipticGeometry, SigmoidGeometry)):
-        return "sphere"
-    if isinstance(geometry, EuclideanGeometry):
-        return "euclidean"
-    if isinstance(geometry, HyperbolicGeometry):
-        return "lorentz"
-    raise ValueError(
-        f"the linear probes do not know geometry {geometry.name!r} ({type(geometry).__name__}); "
-        f"known: clip, elliptic, sigmoid, euclidean, euclidean_sq, hyperbolic, hyperbolic_sq"
-    )
+# the geometry's linear space
 
 
 def probe_features(geometry: Geometry, raw: Tensor) -> Tensor:
     """Features a linear probe sees for raw image-tower outputs: [N, D] -> [N, D] (table in the module doc)."""
     N, D = raw.shape
-    emb = geometry.embed_image(raw)
-    if _space(geometry) == "lorentz":
-        return log_map0(emb, geometry.curvature)
-    return emb
-
-
-def class_points(geometry: Geometry, v: Tensor) -> Tensor:
-    """Learnable class vectors -> class points of ``geometry``: [C, D] -> [C, D]."""
-    space = _space(geometry)
-    if space == "sphere":
-        return l2_normalize(v)
-    if space == "lorentz":
-        return exp_map0(v, geometry.curvature)
-    return v
-
-
-def class_vectors(geometry: Geometry, points: Tensor) -> Tensor:
-    """Inverse of ``class_points`` on its image: class points [C, D] -> vectors [C, D]."""
-    if _space(geometry) == "lorentz":
-        return log_map0(points, geometry.curvature)
-    return points.clone()
+    return geometry.to_linear(geometry.embed_image(raw))
 
 
 # -----------------------------------------------------------------------------
@@ -432,20 +390,20 @@ class ZSProbe(Adapter):
         super().__init__(cfg, backbone, classnames, templates)
         g = backbone.geometry
         protos = text_prototypes(backbone, self.classnames, self.templates)  # [K, D] geometry points
-        v0 = class_vectors(g, protos.double() if _space(g) == "lorentz" else protos).float()
+        v0 = g.to_linear(protos.double()).float()  # float64 for the log map; exact for the other geometries
         # Rebuilt from class names and templates on construction, so not saved.
         self.register_buffer("init", v0, persistent=False)
         self.weight = nn.Parameter(v0.clone())
 
     def forward(self, features: Tensor) -> Tensor:
         B, D = features.shape
-        img = self.backbone.geometry.embed_image(features.to(self.weight.device))
-        return self._logits_of(img, self.weight)  # [B, K]
+        g = self.backbone.geometry
+        return g.image_logits(features, g.from_linear(self.weight))  # [B, K]
 
     def _logits_of(self, img: Tensor, v: Tensor) -> Tensor:
-        """Embedded images [B, D] and class vectors [K, D] -> logits [B, K]."""
+        """Already embedded images [B, D] (fit embeds its features once) and class vectors [K, D] -> [B, K]."""
         g = self.backbone.geometry
-        return g.logits(img, class_points(g, v))
+        return g.logits(img, g.from_linear(v))
 
     def fit(self, train_x: Tensor, train_y: Tensor, val_x: Optional[Tensor], val_y: Optional[Tensor]) -> Dict:
         """Adam from the zero-shot init; keeps the step with the best validation accuracy (step 0 included)."""

@@ -213,8 +213,7 @@ class LoRA(Adapter):
         return g.prototype(emb.reshape(C, T, -1))
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:  # [B, D] raw image features -> [B, C]
-        g = self.backbone.geometry
-        return g.logits(g.embed_image(features.float()), self.prototypes())
+        return self.backbone.geometry.image_logits(features, self.prototypes())
 
     # -- export --------------------------------------------------------------
     def trainable_parameter_count(self) -> int:

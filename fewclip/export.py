@@ -490,8 +490,7 @@ class PromptClassifier:
     @torch.no_grad()
     def logits_from_features(self, raw: torch.Tensor) -> torch.Tensor:
         """Raw image-tower features [B, D] -> logits [B, C]."""
-        g = self.geometry
-        return g.logits(g.embed_image(raw.to(self.prototypes.device).float()), self.prototypes)
+        return self.geometry.image_logits(raw, self.prototypes)
 
     @torch.no_grad()
     def logits(self, images: ImageInput, batch_size: int = 256) -> torch.Tensor:

@@ -17,9 +17,7 @@ log = logging.getLogger(__name__)
 
 def zeroshot_logits(backbone: Backbone, image_features: torch.Tensor, prototypes: torch.Tensor) -> torch.Tensor:
     """Logits [N, C] from raw image features and geometry-space prototypes."""
-    g = backbone.geometry
-    img = g.embed_image(image_features.to(prototypes.device))
-    return g.logits(img, prototypes)
+    return backbone.geometry.image_logits(image_features, prototypes)
 
 
 def test_items(dataset: Dataset, max_test: Optional[int], seed: int):
