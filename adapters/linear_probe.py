@@ -1,8 +1,9 @@
 """Linear probes on frozen image features, for every embedding geometry.
 
-Two adapters, both trained by ``fit(train_x, train_y, val_x, val_y)`` on cached
-raw image-tower features (``closed_form = True``: the engine calls ``fit``
-instead of its own gradient loop).
+Two adapters, both fit-style (``trained_by = "fit"``): the engine calls
+``fit(data)`` with the cached raw image-tower features of the un-augmented
+training and validation images (``fewclip.engine.FitData``) instead of
+running its own gradient loop.
 
 ``linear_probe``: the CLIP paper's probe
 -----------------------------------------
@@ -228,13 +229,6 @@ def _top1(logits: Tensor, y: Tensor) -> float:
     return 100.0 * float((logits.argmax(dim=-1) == y).double().mean())
 
 
-def _as_val(x: Optional[Tensor], y: Optional[Tensor], dim: int) -> Tuple[Tensor, Tensor]:
-    """The engine passes ``None`` for a split without validation images: make that an empty split."""
-    if x is None or y is None:
-        return torch.empty(0, dim), torch.empty(0, dtype=torch.long)
-    return x, y
-
-
 def _check_data(name: str, x: Tensor, y: Tensor, n_classes: int, dim: int) -> None:
     if x.ndim != 2 or x.shape[1] != dim:
         raise ValueError(f"{name}: features must be [N, {dim}], got {tuple(x.shape)}")
@@ -292,9 +286,10 @@ class LinearProbe(Adapter):
     """Multinomial logistic regression on ``probe_features``; ``C`` chosen on validation."""
 
     name = "linear_probe"
-    closed_form = True
+    trained_by = "fit"
 
-    def __init__(self, cfg: LinearProbeConfig, backbone, classnames: Sequence[str], templates: Sequence[str]):
+    def __init__(self, cfg: LinearProbeConfig, backbone, classnames: Sequence[str], templates: Sequence[str], *,
+                 generator: Optional[torch.Generator] = None):  # deterministic: no random draws
         super().__init__(cfg, backbone, classnames, templates)
         K, D = len(self.classnames), _embed_dim(backbone)
         self.weight = nn.Parameter(torch.zeros(K, D))
@@ -307,11 +302,11 @@ class LinearProbe(Adapter):
             return F.linear(x, self.weight, self.bias)  # [B, K]
 
     @torch.no_grad()
-    def fit(self, train_x: Tensor, train_y: Tensor, val_x: Optional[Tensor], val_y: Optional[Tensor]) -> Dict:
+    def fit(self, data) -> Dict:
         """Search C on validation, keep (or refit) the classifier at the best C; returns what was chosen."""
         cfg: LinearProbeConfig = self.cfg
         K, D = self.weight.shape
-        val_x, val_y = _as_val(val_x, val_y, D)
+        (train_x, train_y), (val_x, val_y) = data.train, data.val
         for name, x, y in (("train", train_x, train_y), ("val", val_x, val_y)):
             _check_data(f"linear_probe.fit {name}", x, y, K, D)
         if train_y.numel() == 0:
@@ -384,9 +379,10 @@ class ZSProbe(Adapter):
     """Per-class vectors initialised at the zero-shot prototypes, scored by the backbone's geometry."""
 
     name = "zs_probe"
-    closed_form = True
+    trained_by = "fit"
 
-    def __init__(self, cfg: ZSProbeConfig, backbone, classnames: Sequence[str], templates: Sequence[str]):
+    def __init__(self, cfg: ZSProbeConfig, backbone, classnames: Sequence[str], templates: Sequence[str], *,
+                 generator: Optional[torch.Generator] = None):  # deterministic: no random draws
         super().__init__(cfg, backbone, classnames, templates)
         g = backbone.geometry
         protos = text_prototypes(backbone, self.classnames, self.templates)  # [K, D] geometry points
@@ -405,11 +401,11 @@ class ZSProbe(Adapter):
         g = self.backbone.geometry
         return g.logits(img, g.from_linear(v))
 
-    def fit(self, train_x: Tensor, train_y: Tensor, val_x: Optional[Tensor], val_y: Optional[Tensor]) -> Dict:
+    def fit(self, data) -> Dict:
         """Adam from the zero-shot init; keeps the step with the best validation accuracy (step 0 included)."""
         cfg: ZSProbeConfig = self.cfg
         K, D = self.weight.shape
-        val_x, val_y = _as_val(val_x, val_y, D)
+        (train_x, train_y), (val_x, val_y) = data.train, data.val
         for name, x, y in (("train", train_x, train_y), ("val", val_x, val_y)):
             _check_data(f"zs_probe.fit {name}", x, y, K, D)
         if train_y.numel() == 0:

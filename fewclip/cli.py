@@ -11,7 +11,6 @@ from typing import Callable, Dict, List, Sequence
 
 from . import __version__
 from .config import ConfigError, RunConfig, load_config, to_yaml
-from .io import atomic_write_json, atomic_write_text
 
 log = logging.getLogger("fewclip")
 
@@ -90,23 +89,16 @@ def cmd_datasets(args: Sequence[str]) -> int:
 
 
 def cmd_zeroshot(args: Sequence[str]) -> int:
-    from fewclip.datasets import build_dataset
+    from fewclip.adapters.zeroshot import ZeroShotConfig
 
-    from .backbones import load_backbone
-    from .zeroshot import evaluate_zeroshot
+    from .runs import as_train_config, run_train
 
     cfg: RunConfig = load_config(args, RunConfig)
     setup_logging(cfg.log_level)
     out = run_dir(cfg.out, f"runs/zeroshot/{Path(cfg.backbone.name).stem}_{cfg.data.name}")
-    atomic_write_text(out / "config.yaml", to_yaml(cfg))
-    dataset = build_dataset(cfg.data)
-    backbone = load_backbone(cfg.backbone)
-    metrics = evaluate_zeroshot(backbone, dataset, templates=cfg.data.templates, batch_size=cfg.data.batch_size,
-                                workers=cfg.data.workers, max_test=cfg.data.max_test, seed=cfg.seed)
-    metrics["backbone_info"] = backbone.describe()
-    atomic_write_json(out / "metrics.json", metrics)
-    print(f"zero-shot top-1 {metrics['top1']:.2f}% on {dataset.name} ({metrics['n_test']} test images) "
-          f"with {backbone.name} [{backbone.geometry.name}] -> {out / 'metrics.json'}")
+    metrics = run_train(as_train_config(cfg, ZeroShotConfig()), out)
+    print(f"zero-shot top-1 {metrics['top1']:.2f}% on {metrics['dataset']} ({metrics['n_test']} test images) "
+          f"with {metrics['backbone']} [{metrics['geometry']}] -> {out / 'metrics.json'}")
     return 0
 
 
