@@ -34,6 +34,7 @@ import torch.nn as nn
 from ._prompts import POSITIONS, assemble_prompts, packed_suffixes, shared_prefix_length
 from ._text import TextTower, pad_sequences
 from .base import Adapter, AdapterConfig, register_adapter
+from .coop_export import PROMPTS
 
 
 @dataclass
@@ -229,4 +230,4 @@ class CoOp(Adapter):
         return out
 
 
-register_adapter("coop", CoOpConfig, CoOp)
+register_adapter("coop", CoOpConfig, CoOp, export=PROMPTS)

@@ -31,7 +31,8 @@ features from the adapted image tower.
 The saved adapter state (``adapter_state_dict``) is the LoRA A and B matrices
 only. ``save_peft(dir)`` writes them in peft's own format
 (``adapter_model.safetensors`` + ``adapter_config.json``), and
-``merged_state_dict()`` folds them into a plain open_clip state dict.
+``merged_state_dict()`` folds them into a plain open_clip state dict; its
+export format (``lora_export.py``) uses both.
 """
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ from fewclip.rng import forked_global_rng
 
 from ._text import TextTower
 from .base import Adapter, AdapterConfig, register_adapter
+from .lora_export import LORA
 
 log = logging.getLogger(__name__)
 
@@ -267,4 +269,4 @@ class LoRA(Adapter):
         self._fixed_protos = None
 
 
-register_adapter("lora", LoRAConfig, LoRA)
+register_adapter("lora", LoRAConfig, LoRA, export=LORA)
