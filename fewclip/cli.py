@@ -152,7 +152,7 @@ def cmd_adapters(args: Sequence[str]) -> int:
         doc = (importlib.import_module(info.adapter_cls.__module__).__doc__ or "").strip().splitlines()
         print(f"{name}: {doc[0] if doc else ''}")
         defaults = {k: v for k, v in asdict(info.config_cls()).items() if k != "name"}
-        print("  " + " ".join(f"adapter.{k}={v}" for k, v in defaults.items()))
+        print("  " + (" ".join(f"adapter.{k}={v}" for k, v in defaults.items()) or "no options"))
         train = getattr(info.adapter_cls, "train_defaults", {})
         if train:
             print("  its own training defaults: " + " ".join(f"train.{k}={v}" for k, v in train.items()))

@@ -198,19 +198,21 @@ class CachedFeatures(FeatureSource):
 
 
 class FreshImages(FeatureSource):
-    """View ``epoch`` of each image in the batch, encoded at every step: by the frozen tower (the faithful mode,
-    in the backbone's precision, no gradients) or by the adapter's own image tower (with gradients, under the
-    step's autocast)."""
+    """View ``epoch`` of each image in the batch (the un-augmented image with ``train.augment=false``), encoded
+    at every step: by the frozen tower (the faithful mode, in the backbone's precision, no gradients) or by the
+    adapter's own image tower (with gradients, under the step's autocast)."""
 
     def __init__(self, run: "RunFeatures"):
         self.run = run
         self.labels = torch.tensor([it.label for it in run.split.train], dtype=torch.long)
+        self.plain = None if run.cfg.augment else run.backbone.preprocess()
 
     def batch(self, epoch: int, idx: torch.Tensor) -> torch.Tensor:
         run = self.run
         view = run.view(epoch)
         items = [run.split.train[int(i)] for i in idx]
-        pixels = torch.stack([view(run.dataset.load_image(it), it) for it in items])
+        images = [run.dataset.load_image(it) for it in items]
+        pixels = torch.stack([view(im, it) if self.plain is None else self.plain(im) for im, it in zip(images, items)])
         run.cost.count_images(len(items))
         if run.own_tower:
             return run.adapter.encode_images(pixels)
@@ -310,7 +312,8 @@ class RunFeatures:
             return FreshImages(self)
         views = [self.train_plain()] if not cfg.augment else self.train_views(min(cfg.augment_views, epochs))
         # validation images are encoded only for a loop that selects on them
-        return CachedFeatures(views, self.validation() if cfg.select == "val" else Features.empty(views[0].x.shape[1]))
+        val = self.validation() if cfg.select == "val" else Features.empty(views[0].x.shape[1])
+        return CachedFeatures(views, val)
 
     def fit_data(self, views: int, shots: int, generator: torch.Generator) -> FitData:
         if self.own_tower:
