@@ -13,7 +13,8 @@ token ids that the methods built on CoOp's prompts share. The context starts
 either at random (normal, std 0.02, drawn from the ``generator`` the adapter
 is built with) or from the embeddings of the words of ``ctx_init`` (``"a
 photo of a"``; a word that the tokenizer splits into several tokens gives
-several context vectors, and ``n_ctx`` is then the number of tokens). Initialised from words, the prompt *is* the zero-shot prompt
+several context vectors, and ``n_ctx`` is then the number of tokens).
+Initialised from words, the prompt *is* the zero-shot prompt
 ``equivalent_template()``, and the logits equal the zero-shot logits.
 
 The text features go through the backbone's geometry: embedded, turned into

@@ -51,10 +51,10 @@ def crop_box(height: int, width: int, scale: Tuple[float, float], ratio: Tuple[f
     area fraction in ``scale`` and a log-uniform aspect ratio in ``ratio``, then a central crop), but from
     a generator instead of torch's global RNG."""
     area = height * width
-    log_ratio = torch.log(torch.tensor(ratio))
+    lo, hi = (float(v) for v in torch.log(torch.tensor(ratio)))
     for _ in range(10):
         target_area = area * torch.empty(1).uniform_(scale[0], scale[1], generator=generator).item()
-        aspect = torch.exp(torch.empty(1).uniform_(float(log_ratio[0]), float(log_ratio[1]), generator=generator)).item()
+        aspect = torch.exp(torch.empty(1).uniform_(lo, hi, generator=generator)).item()
         w = int(round(math.sqrt(target_area * aspect)))
         h = int(round(math.sqrt(target_area / aspect)))
         if 0 < w <= width and 0 < h <= height:

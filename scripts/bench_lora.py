@@ -23,7 +23,8 @@ LoRA's default template "a photo of a {}.". One step is what the engine's loop d
 ``amp=`` is ignored on the CPU), logits from ``batch=`` cached features (random, of the image tower's
 output size), or from ``adapter.encode_images(pixels)`` of random pixels for the methods that adapt the
 image tower; cross-entropy; backward; an optimiser step (``fewclip.engine.make_optimizer``) with the
-adapter's own defaults (CoOp: SGD with momentum; LoRA: AdamW). The optimiser's state is created by the first step, so it counts as step memory.
+adapter's own defaults (CoOp: SGD with momentum; LoRA: AdamW). The optimiser's state is created by the
+first step, so it counts as step memory.
 
 Each method runs in a fresh Python process (this script, called with ``worker=METHOD``), so no method's
 memory is left over in another's numbers:
@@ -179,7 +180,7 @@ def run_worker(cfg: BenchConfig) -> Dict:
         torch.cuda.reset_peak_memory_stats(dev)
         reset = True
     else:
-        reset = reset_peak_rss()
+        reset = reset_peak_rss(collect=True)
         before = rss_bytes() if reset else peak_rss_bytes()
     times = []
     for _ in range(cfg.steps):

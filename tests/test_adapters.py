@@ -50,7 +50,8 @@ def test_every_adapter(name, backbone_name, toy, shapes, tmp_path):
 
     if adapter.trained_by is None:  # nothing to train: no parameters, no saved state, zero-shot logits
         assert not list(adapter.parameters()) and adapter.adapter_state_dict() == {}
-        torch.testing.assert_close(logits, zeroshot_logits(bb, test_x, text_prototypes(bb, shapes.classnames, templates)))
+        protos = text_prototypes(bb, shapes.classnames, templates)
+        torch.testing.assert_close(logits, zeroshot_logits(bb, test_x, protos))
         return
     if adapter.trained_by == "fit":
         views = [Features(tx, ty)] * adapter.fit_views()
