@@ -3,5 +3,6 @@
 Each adapter registers itself with ``register_adapter`` next to its class;
 this file imports every adapter module explicitly.
 """
-from .base import ADAPTERS, Adapter, AdapterConfig, AdapterError, adapter_info, build_adapter, register_adapter
-from . import coop, linear_probe, lora  # noqa: F401  (registration)
+from .base import (ADAPTERS, EXPORT_FORMATS, Adapter, AdapterConfig, AdapterError, ExportFormat, adapter_info,
+                   build_adapter, export_format, register_adapter)
+from . import coop, linear_probe, lora, zeroshot  # noqa: F401  (registration)

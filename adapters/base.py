@@ -6,23 +6,45 @@ An adapter is the trainable part of a few-shot method on top of a frozen
 adapter itself (the backbone is frozen and is not a registered submodule of the
 adapter's state), so ``adapter_state_dict()`` holds adapter tensors only.
 
-Two kinds of training exist:
+A method is one file: its config dataclass, its adapter class and one registry
+line next to them::
 
-* gradient adapters (CoOp, the zero-shot-initialised probe) are trained by
-  the engine's loop: ``forward(features) -> logits``, cross-entropy, SGD;
-* closed-form adapters (the CLIP-paper logistic-regression probe) implement
-  ``fit(train_x, train_y, val_x, val_y)`` and the engine calls it instead.
+    register_adapter("coop", CoOpConfig, CoOp, export=PROMPTS)
 
-``register_adapter("coop", CoOpConfig, CoOp)`` sits next to each class;
-``build_adapter(cfg, backbone, classnames, templates)`` looks the name up.
+The constructor is ``Adapter(cfg, backbone, classnames, templates, *,
+generator=None)``; any random draw comes from ``generator`` (None: a generator
+seeded with 0), never from torch's global RNG (``fewclip.rng`` for code that
+gives no choice). ``build_adapter`` looks the name up.
+
+How an adapter is trained (``trained_by``):
+
+* ``"loop"``: by the engine's gradient loop (``fewclip.engine.train_loop``):
+  ``forward(features) -> logits``, cross-entropy, the ``train`` section's
+  optimiser, on the batches of the run's feature source (cached augmented
+  views, un-augmented features, or fresh pixels through ``encode_images`` when
+  ``trains_image_tower``). CoOp, LoRA.
+* ``"fit"``: by its own ``fit(data)``, on features the engine encodes once
+  (``fewclip.engine.FitData``: the un-augmented training images,
+  ``fit_views()`` augmented views of them, the validation images, the run's
+  ``train`` section, shots and generator). ``fit`` may run the engine's loop
+  itself: ``train_loop(self, CachedFeatures(data.views, data.val), data.cfg,
+  data.shots, data.generator)``. The linear probes, zs_probe.
+* ``None``: nothing to train (zeroshot); its runs have ``shots=0`` and no split.
+
+``export`` (optional) is the adapter's own ``ExportFormat``: how ``fewclip
+export`` writes its runs and how ``fewclip predict`` / ``fewclip.load_prompts``
+load them back (``fewclip.export`` reads the run, checks checksums and calls
+it).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Sequence, Type
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Type
 
 import torch
 import torch.nn as nn
+
+TRAINED_BY = ("loop", "fit", None)
 
 
 class AdapterError(ValueError):
@@ -37,13 +59,13 @@ class AdapterConfig:
 
 
 class Adapter(nn.Module):
-    """Base class. Subclasses set ``name`` and implement ``forward``."""
+    """Base class. Subclasses set ``name`` and implement ``forward`` (and ``fit`` when trained by fit)."""
 
     name: str = ""
     # True when forward() runs the text tower (so logits change with the parameters).
     uses_text_tower: bool = False
-    # True when the engine should call fit() instead of running its gradient loop.
-    closed_form: bool = False
+    # "loop", "fit" or None (module docstring).
+    trained_by: Optional[str] = "loop"
     # True when the image tower itself is adapted: the engine then encodes images through
     # ``encode_images(pixels)`` (with gradients in training) instead of using cached features.
     trains_image_tower: bool = False
@@ -61,8 +83,14 @@ class Adapter(nn.Module):
     def forward(self, features: torch.Tensor) -> torch.Tensor:  # [B, D] raw -> [B, C]
         raise NotImplementedError
 
-    def fit(self, train_x, train_y, val_x, val_y) -> Dict:
-        raise NotImplementedError(f"adapter {self.name!r} is trained by gradient descent, not fit()")
+    def fit_views(self) -> int:
+        """How many augmented views of the training images ``fit`` wants (besides the un-augmented ones):
+        Tip-Adapter builds its cache from 10, CLAP from 20. 0 by default."""
+        return 0
+
+    def fit(self, data) -> Dict:
+        """Train on ``data`` (a ``fewclip.engine.FitData``); returns what to record in metrics.json."""
+        raise NotImplementedError(f"adapter {self.name!r} is trained by the loop, not fit()")
 
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         """Raw image features [B, D]; adapters that train the image tower override this."""
@@ -80,21 +108,54 @@ class Adapter(nn.Module):
 
 
 @dataclass(frozen=True)
+class ExportFormat:
+    """How an adapter's runs are exported (``fewclip export``) and loaded back (``fewclip predict``,
+    ``fewclip.load_prompts``). Every export carries fewclip's metadata (a JSON object) where the loader finds
+    it: a ``.safetensors`` file under its ``"fewclip"`` metadata key, or a folder in ``fewclip.json``.
+
+    ``write(adapter, path, meta, **options) -> meta``: write the export at ``path``. ``meta`` holds what every
+    export carries (format, format_version, fewclip_version, backbone, geometry, preprocess, tokenizer,
+    classnames, run); the format adds its own keys and returns the metadata it wrote.
+    ``load(path, meta, backbone) -> fewclip.export.Classifier``: a classifier from an export whose metadata
+    and backbone the core has already read and checked; it must not change ``backbone`` (copy it first).
+    ``summary(path, meta) -> str``: what ``fewclip export`` prints.
+    """
+
+    name: str  # the "format" value of the metadata; loaders are found by it
+    version: int  # the newest format_version this fewclip writes and reads
+    default_path: str  # file or folder inside the run directory when no path is given
+    write: Callable[..., Dict[str, Any]]
+    load: Callable[..., Any]
+    summary: Callable[[Any, Dict[str, Any]], str]
+    # Keyword options of ``write`` and their defaults (``fewclip export RUN key=value``).
+    options: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class AdapterInfo:
     name: str
     config_cls: Type[AdapterConfig]
     adapter_cls: Type[Adapter]
+    export: Optional[ExportFormat] = None
 
 
 ADAPTERS: Dict[str, AdapterInfo] = {}
+EXPORT_FORMATS: Dict[str, ExportFormat] = {}
 
 
-def register_adapter(name: str, config_cls: Type[AdapterConfig], adapter_cls: Type[Adapter]) -> None:
+def register_adapter(name: str, config_cls: Type[AdapterConfig], adapter_cls: Type[Adapter],
+                     export: Optional[ExportFormat] = None) -> None:
     if name != name.lower():
         raise ValueError(f"adapter names are lowercase, got {name!r}")
     if name in ADAPTERS:
         raise ValueError(f"adapter {name!r} is registered twice")
-    ADAPTERS[name] = AdapterInfo(name, config_cls, adapter_cls)
+    if adapter_cls.trained_by not in TRAINED_BY:
+        raise ValueError(f"adapter {name!r}: trained_by must be one of {TRAINED_BY}, got {adapter_cls.trained_by!r}")
+    if export is not None and EXPORT_FORMATS.get(export.name, export) is not export:
+        raise ValueError(f"export format {export.name!r} is registered twice")
+    ADAPTERS[name] = AdapterInfo(name, config_cls, adapter_cls, export)
+    if export is not None:
+        EXPORT_FORMATS[export.name] = export
 
 
 def adapter_info(name: str) -> AdapterInfo:
@@ -103,9 +164,17 @@ def adapter_info(name: str) -> AdapterInfo:
     return ADAPTERS[name]
 
 
-def build_adapter(cfg: AdapterConfig, backbone, classnames: Sequence[str], templates: Sequence[str]) -> Adapter:
+def export_format(name: str) -> ExportFormat:
+    if name not in EXPORT_FORMATS:
+        raise ValueError(f"unknown export format {name!r}; this fewclip reads: {', '.join(sorted(EXPORT_FORMATS))}")
+    return EXPORT_FORMATS[name]
+
+
+def build_adapter(cfg: AdapterConfig, backbone, classnames: Sequence[str], templates: Sequence[str], *,
+                  generator: Optional[torch.Generator] = None) -> Adapter:
     info = adapter_info(cfg.name)
     if not isinstance(cfg, info.config_cls):
         raise TypeError(f"adapter {cfg.name!r} needs a {info.config_cls.__name__}, got {type(cfg).__name__}")
     # In eval mode (no dropout) until the engine trains it.
-    return info.adapter_cls(cfg, backbone, classnames, templates).to(backbone.device).eval()
+    adapter = info.adapter_cls(cfg, backbone, classnames, templates, generator=generator)
+    return adapter.to(backbone.device).eval()

@@ -7,11 +7,14 @@ prompt for class c is, in token embeddings,
     middle  [SOT] [ctx_1 .. ctx_n/2] [name_c] [ctx_n/2+1 .. ctx_n] [.] [EOT]
     front   [SOT] [name_c] [ctx_1 .. ctx_n] [.] [EOT]
 
-with one context shared by all classes (unified) or one per class (CSC). The
-context starts either at random (normal, std 0.02) or from the embeddings of
-the words of ``ctx_init`` (``"a photo of a"``; a word that the tokenizer splits
-into several tokens gives several context vectors, and ``n_ctx`` is then the
-number of tokens). Initialised from words, the prompt *is* the zero-shot prompt
+with one context shared by all classes (unified) or one per class (CSC); the
+layout is ``assemble_prompts`` (``adapters/_prompts.py``), a pure function of
+token ids that the methods built on CoOp's prompts share. The context starts
+either at random (normal, std 0.02, drawn from the ``generator`` the adapter
+is built with) or from the embeddings of the words of ``ctx_init`` (``"a
+photo of a"``; a word that the tokenizer splits into several tokens gives
+several context vectors, and ``n_ctx`` is then the number of tokens).
+Initialised from words, the prompt *is* the zero-shot prompt
 ``equivalent_template()``, and the logits equal the zero-shot logits.
 
 The text features go through the backbone's geometry: embedded, turned into
@@ -29,10 +32,10 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn as nn
 
+from ._prompts import POSITIONS, assemble_prompts, packed_suffixes, shared_prefix_length
 from ._text import TextTower, pad_sequences
 from .base import Adapter, AdapterConfig, AdapterError, register_adapter
-
-POSITIONS = ("end", "middle", "front")
+from .coop_export import PROMPTS
 
 
 @dataclass
@@ -63,8 +66,10 @@ class CoOp(Adapter):
     name = "coop"
     uses_text_tower = True
 
-    def __init__(self, cfg: CoOpConfig, backbone, classnames: Sequence[str], templates: Sequence[str] = ()):
+    def __init__(self, cfg: CoOpConfig, backbone, classnames: Sequence[str], templates: Sequence[str] = (), *,
+                 generator: Optional[torch.Generator] = None):
         super().__init__(cfg, backbone, classnames, templates)
+        generator = generator if generator is not None else torch.Generator().manual_seed(0)
         tower = TextTower(backbone.model, backbone.tokenizer)
         object.__setattr__(self, "tower", tower)
         C = len(self.classnames)
@@ -79,31 +84,21 @@ class CoOp(Adapter):
             init_ids, n_ctx = None, cfg.n_ctx
         self.n_ctx = n_ctx
 
-        # Token ids per class, with a placeholder id where the context goes.
+        # Token ids per class, with a placeholder id where the context goes: its embedding is replaced, but
+        # the pooling must not find it (the start token; padding for a tokenizer without one).
         dot = tower.encode_words(".")
         ends = tower.prompt_ends()  # the tokenizer's start (maybe none) and end tokens
-        n_start = len(ends.start)
         placeholder = init_ids if init_ids is not None else [tower.placeholder_id] * n_ctx  # embedding replaced
-        half = n_ctx // 2
-        seqs, ctx_pos = [], []
+        names = []
         for name in self.classnames:
-            name_ids = tower.encode_words(name)
-            if not name_ids:
+            names.append(tower.encode_words(name))
+            if not names[-1]:
                 raise AdapterError(f"class name {name!r} gives no tokens with the tokenizer of backbone "
                                    f"{backbone.name!r} (no word it can encode); rename the class with words, e.g. in "
                                    f"the dataset's folder names or split file")
-            if cfg.class_token_position == "end":
-                body = list(placeholder) + name_ids + dot
-                pos = list(range(n_start, n_start + n_ctx))
-            elif cfg.class_token_position == "front":
-                body = name_ids + list(placeholder) + dot
-                pos = list(range(n_start + len(name_ids), n_start + len(name_ids) + n_ctx))
-            else:  # middle
-                body = list(placeholder[:half]) + name_ids + list(placeholder[half:]) + dot
-                pos = list(range(n_start, n_start + half)) + list(range(n_start + half + len(name_ids),
-                                                                    n_start + n_ctx + len(name_ids)))
-            seqs.append(ends.start + body + ends.end)
-            ctx_pos.append(pos)
+        layout = assemble_prompts(names, placeholder, cfg.class_token_position, start=ends.start, end=ends.end,
+                                  suffix=dot)
+        seqs, ctx_pos = layout.tokens, layout.ctx_positions
         seen = {}
         for name, seq in zip(self.classnames, seqs):
             if tuple(seq) in seen:
@@ -134,42 +129,25 @@ class CoOp(Adapter):
             if cfg.csc:
                 ctx = ctx.unsqueeze(0).repeat(C, 1, 1)
         else:
-            # Drawn from torch's global generator, which the runner seeds with the run's seed.
             shape = (C, n_ctx, W) if cfg.csc else (n_ctx, W)
-            ctx = torch.randn(shape) * cfg.init_std
+            ctx = torch.randn(shape, generator=generator) * cfg.init_std
         self.ctx = nn.Parameter(ctx.to(device))
-        # Positions [0, P) hold the same embedding for every class (start token + shared context):
-        # end -> 1 + n_ctx, middle -> 1 + n_ctx // 2; a class-specific context shares only the start token.
-        if cfg.csc:
-            self.shared_len = n_start
-        else:
-            self.shared_len = {"end": n_start + n_ctx, "middle": n_start + half, "front": n_start}[cfg.class_token_position]
+        # Positions [0, P) hold the same embedding for every class (start token + shared context).
+        self.shared_len = shared_prefix_length(n_ctx, cfg.class_token_position, n_start=len(ends.start),
+                                               csc=cfg.csc)
         # "shared": compute the shared prefix once per step (fastest, exact); "truncate": every prompt
         # in full but cut to the longest one; "faithful": full context length (the reference path).
         # On the CPU the shared prefix is fastest; on a GPU the many small kernels of the shared path
         # cost more than they save, and one batched pass over the cut prompts wins (scripts/bench_train.py).
         can_share = tower.can_share_prefix and self.shared_len >= 2
         self.text_mode = "shared" if (can_share and device.type == "cpu") else "truncate"
-        # The shared path packs every class's tokens after the prefix end to end, up to its own
-        # end-of-text token: under the causal mask nothing after that token reaches the pooled feature,
-        # so no work is spent on padding. Index tensors for the packing, rebuilt from the class names:
-        P = self.shared_len
-        cls_idx, pos_idx, pool, owner = [], [], [], []
-        for c, sq in enumerate(seqs):
-            for j in range(P, len(sq)):
-                cls_idx.append(c)
-                pos_idx.append(j)
-                owner.append(c)
-            pool.append(len(cls_idx) - 1)
-        owner_t = torch.tensor(owner)
-        pos_t = torch.tensor(pos_idx)
-        same = owner_t[:, None] == owner_t[None, :]
-        earlier = pos_t[None, :] <= pos_t[:, None]
-        mask = torch.cat([torch.ones(len(owner), P, dtype=torch.bool), same & earlier], dim=1)  # T, P+T
-        self.register_buffer("_pack_cls", torch.tensor(cls_idx, device=device), persistent=False)
-        self.register_buffer("_pack_pos", pos_t.to(device), persistent=False)
+        # The shared path packs every class's tokens after the prefix end to end (``packed_suffixes``);
+        # index tensors for the packing, rebuilt from the class names:
+        cls_idx, pos_idx, mask, pool = packed_suffixes(seqs, self.shared_len)
+        self.register_buffer("_pack_cls", cls_idx.to(device), persistent=False)
+        self.register_buffer("_pack_pos", pos_idx.to(device), persistent=False)
         self.register_buffer("_pack_mask", mask.to(device), persistent=False)
-        self.register_buffer("_pack_pool", torch.tensor(pool, device=device), persistent=False)
+        self.register_buffer("_pack_pool", pool.to(device), persistent=False)
 
     # -- prompts ----------------------------------------------------------
     def equivalent_template(self) -> Optional[str]:
@@ -238,8 +216,7 @@ class CoOp(Adapter):
         return g.prototype(emb.unsqueeze(1))  # one "template" per class
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        g = self.backbone.geometry
-        return g.logits(g.embed_image(features.to(self.ctx.device)), self.prototypes())
+        return self.backbone.geometry.image_logits(features, self.prototypes())
 
     @torch.no_grad()
     def nearest_words(self, k: int = 3) -> List[List[List[str]]]:
@@ -265,4 +242,4 @@ class CoOp(Adapter):
         return out
 
 
-register_adapter("coop", CoOpConfig, CoOp)
+register_adapter("coop", CoOpConfig, CoOp, export=PROMPTS)

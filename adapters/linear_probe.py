@@ -1,8 +1,9 @@
 """Linear probes on frozen image features, for every embedding geometry.
 
-Two adapters, both trained by ``fit(train_x, train_y, val_x, val_y)`` on cached
-raw image-tower features (``closed_form = True``: the engine calls ``fit``
-instead of its own gradient loop).
+Two adapters, both fit-style (``trained_by = "fit"``): the engine calls
+``fit(data)`` with the cached raw image-tower features of the un-augmented
+training and validation images (``fewclip.engine.FitData``) instead of
+running its own gradient loop.
 
 ``linear_probe``: the CLIP paper's probe
 -----------------------------------------
@@ -38,7 +39,9 @@ images only choose ``C``; ``refit="train+val"`` follows CLIP and refits at the
 chosen ``C`` on both. ``fit`` reports the validation accuracy of the
 train-only classifier at the chosen ``C`` either way.
 
-Which features the probe sees, by geometry (``probe_features``):
+Which features the probe sees, by geometry (``probe_features``: the
+geometry's ``to_linear`` of its embedding, so the probe never asks which
+geometry it has):
 
 =============================  ===============================================
 geometry                       probe features
@@ -70,12 +73,12 @@ would change the geometry the backbone was trained in.
 One learnable vector ``v_c`` per class, turned into a class point of the
 backbone's geometry and scored exactly like a zero-shot prototype::
 
-    logits = geometry.logits(embed_image(raw), point(v))
+    logits = geometry.image_logits(raw, geometry.from_linear(v))
 
-with ``point(v) = l2_normalize(v)`` (clip, elliptic, sigmoid), ``v``
+with ``from_linear(v) = l2_normalize(v)`` (clip, elliptic, sigmoid), ``v``
 (euclidean, euclidean_sq) or ``exp_map0(v, c)`` (hyperbolic, hyperbolic_sq).
 ``v`` starts at the zero-shot prototypes of ``text_prototypes(backbone,
-classnames, templates)`` (through ``log_map0`` for the hyperbolic geometries),
+classnames, templates)`` (through ``to_linear``, the log map, for the hyperbolic geometries),
 so before training the logits are the zero-shot logits. This is the
 zero-shot-initialised linear probe (ZS-LP) of Silva-Rodriguez et al. (CVPR
 2024) with a fixed-strength version of their pull towards the zero-shot
@@ -118,17 +121,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from fewclip.features import progress, text_prototypes
-from fewclip.geometry import (
-    CLIPGeometry,
-    EllipticGeometry,
-    EuclideanGeometry,
-    Geometry,
-    HyperbolicGeometry,
-    SigmoidGeometry,
-    exp_map0,
-    l2_normalize,
-    log_map0,
-)
+from fewclip.geometry import Geometry
 
 from .base import Adapter, AdapterConfig, register_adapter
 
@@ -139,47 +132,13 @@ REFITS = ("train", "train+val")
 
 
 # -----------------------------------------------------------------------------
-# geometry: which vector space a linear model works in
-
-
-def _space(geometry: Geometry) -> str:
-    """``"sphere"``, ``"euclidean"`` or ``"lorentz"``: how a probe treats ``geometry``."""
-    if isinstance(geometry, (CLIPGeometry, EllipticGeometry, SigmoidGeometry)):
-        return "sphere"
-    if isinstance(geometry, EuclideanGeometry):
-        return "euclidean"
-    if isinstance(geometry, HyperbolicGeometry):
-        return "lorentz"
-    raise ValueError(
-        f"the linear probes do not know geometry {geometry.name!r} ({type(geometry).__name__}); "
-        f"known: clip, elliptic, sigmoid, euclidean, euclidean_sq, hyperbolic, hyperbolic_sq"
-    )
+# the geometry's linear space
 
 
 def probe_features(geometry: Geometry, raw: Tensor) -> Tensor:
     """Features a linear probe sees for raw image-tower outputs: [N, D] -> [N, D] (table in the module doc)."""
     N, D = raw.shape
-    emb = geometry.embed_image(raw)
-    if _space(geometry) == "lorentz":
-        return log_map0(emb, geometry.curvature)
-    return emb
-
-
-def class_points(geometry: Geometry, v: Tensor) -> Tensor:
-    """Learnable class vectors -> class points of ``geometry``: [C, D] -> [C, D]."""
-    space = _space(geometry)
-    if space == "sphere":
-        return l2_normalize(v)
-    if space == "lorentz":
-        return exp_map0(v, geometry.curvature)
-    return v
-
-
-def class_vectors(geometry: Geometry, points: Tensor) -> Tensor:
-    """Inverse of ``class_points`` on its image: class points [C, D] -> vectors [C, D]."""
-    if _space(geometry) == "lorentz":
-        return log_map0(points, geometry.curvature)
-    return points.clone()
+    return geometry.to_linear(geometry.embed_image(raw))
 
 
 # -----------------------------------------------------------------------------
@@ -270,13 +229,6 @@ def _top1(logits: Tensor, y: Tensor) -> float:
     return 100.0 * float((logits.argmax(dim=-1) == y).double().mean())
 
 
-def _as_val(x: Optional[Tensor], y: Optional[Tensor], dim: int) -> Tuple[Tensor, Tensor]:
-    """The engine passes ``None`` for a split without validation images: make that an empty split."""
-    if x is None or y is None:
-        return torch.empty(0, dim), torch.empty(0, dtype=torch.long)
-    return x, y
-
-
 def _check_data(name: str, x: Tensor, y: Tensor, n_classes: int, dim: int) -> None:
     if x.ndim != 2 or x.shape[1] != dim:
         raise ValueError(f"{name}: features must be [N, {dim}], got {tuple(x.shape)}")
@@ -334,9 +286,10 @@ class LinearProbe(Adapter):
     """Multinomial logistic regression on ``probe_features``; ``C`` chosen on validation."""
 
     name = "linear_probe"
-    closed_form = True
+    trained_by = "fit"
 
-    def __init__(self, cfg: LinearProbeConfig, backbone, classnames: Sequence[str], templates: Sequence[str]):
+    def __init__(self, cfg: LinearProbeConfig, backbone, classnames: Sequence[str], templates: Sequence[str], *,
+                 generator: Optional[torch.Generator] = None):  # deterministic: no random draws
         super().__init__(cfg, backbone, classnames, templates)
         K, D = len(self.classnames), _embed_dim(backbone)
         self.weight = nn.Parameter(torch.zeros(K, D))
@@ -349,11 +302,11 @@ class LinearProbe(Adapter):
             return F.linear(x, self.weight, self.bias)  # [B, K]
 
     @torch.no_grad()
-    def fit(self, train_x: Tensor, train_y: Tensor, val_x: Optional[Tensor], val_y: Optional[Tensor]) -> Dict:
+    def fit(self, data) -> Dict:
         """Search C on validation, keep (or refit) the classifier at the best C; returns what was chosen."""
         cfg: LinearProbeConfig = self.cfg
         K, D = self.weight.shape
-        val_x, val_y = _as_val(val_x, val_y, D)
+        (train_x, train_y), (val_x, val_y) = data.train, data.val
         for name, x, y in (("train", train_x, train_y), ("val", val_x, val_y)):
             _check_data(f"linear_probe.fit {name}", x, y, K, D)
         if train_y.numel() == 0:
@@ -426,32 +379,33 @@ class ZSProbe(Adapter):
     """Per-class vectors initialised at the zero-shot prototypes, scored by the backbone's geometry."""
 
     name = "zs_probe"
-    closed_form = True
+    trained_by = "fit"
 
-    def __init__(self, cfg: ZSProbeConfig, backbone, classnames: Sequence[str], templates: Sequence[str]):
+    def __init__(self, cfg: ZSProbeConfig, backbone, classnames: Sequence[str], templates: Sequence[str], *,
+                 generator: Optional[torch.Generator] = None):  # deterministic: no random draws
         super().__init__(cfg, backbone, classnames, templates)
         g = backbone.geometry
         protos = text_prototypes(backbone, self.classnames, self.templates)  # [K, D] geometry points
-        v0 = class_vectors(g, protos.double() if _space(g) == "lorentz" else protos).float()
+        v0 = g.to_linear(protos.double()).float()  # float64 for the log map; exact for the other geometries
         # Rebuilt from class names and templates on construction, so not saved.
         self.register_buffer("init", v0, persistent=False)
         self.weight = nn.Parameter(v0.clone())
 
     def forward(self, features: Tensor) -> Tensor:
         B, D = features.shape
-        img = self.backbone.geometry.embed_image(features.to(self.weight.device))
-        return self._logits_of(img, self.weight)  # [B, K]
+        g = self.backbone.geometry
+        return g.image_logits(features, g.from_linear(self.weight))  # [B, K]
 
     def _logits_of(self, img: Tensor, v: Tensor) -> Tensor:
-        """Embedded images [B, D] and class vectors [K, D] -> logits [B, K]."""
+        """Already embedded images [B, D] (fit embeds its features once) and class vectors [K, D] -> [B, K]."""
         g = self.backbone.geometry
-        return g.logits(img, class_points(g, v))
+        return g.logits(img, g.from_linear(v))
 
-    def fit(self, train_x: Tensor, train_y: Tensor, val_x: Optional[Tensor], val_y: Optional[Tensor]) -> Dict:
+    def fit(self, data) -> Dict:
         """Adam from the zero-shot init; keeps the step with the best validation accuracy (step 0 included)."""
         cfg: ZSProbeConfig = self.cfg
         K, D = self.weight.shape
-        val_x, val_y = _as_val(val_x, val_y, D)
+        (train_x, train_y), (val_x, val_y) = data.train, data.val
         for name, x, y in (("train", train_x, train_y), ("val", val_x, val_y)):
             _check_data(f"zs_probe.fit {name}", x, y, K, D)
         if train_y.numel() == 0:

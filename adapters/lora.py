@@ -31,7 +31,8 @@ features from the adapted image tower.
 The saved adapter state (``adapter_state_dict``) is the LoRA A and B matrices
 only. ``save_peft(dir)`` writes them in peft's own format
 (``adapter_model.safetensors`` + ``adapter_config.json``), and
-``merged_state_dict()`` folds them into a plain open_clip state dict.
+``merged_state_dict()`` folds them into a plain open_clip state dict; its
+export format (``lora_export.py``) uses both.
 """
 from __future__ import annotations
 
@@ -45,9 +46,11 @@ import torch.nn as nn
 
 from fewclip.attention import pack_split_state, parse_layers, split_attention, text_tower_parts, \
     vision_tower_parts
+from fewclip.rng import forked_global_rng
 
 from ._text import TextTower
 from .base import Adapter, AdapterConfig, register_adapter
+from .lora_export import LORA
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +149,8 @@ class LoRA(Adapter):
     train_defaults = {"optimizer": "adamw", "lr": 2e-4, "weight_decay": 1e-2, "warmup_epochs": 0,
                       "iterations_per_shot": 500}
 
-    def __init__(self, cfg: LoRAConfig, backbone, classnames: Sequence[str], templates: Sequence[str] = ()):
+    def __init__(self, cfg: LoRAConfig, backbone, classnames: Sequence[str], templates: Sequence[str] = (), *,
+                 generator: Optional[torch.Generator] = None):
         super().__init__(cfg, backbone, classnames, templates)
         from peft import LoraConfig, get_peft_model
 
@@ -161,7 +165,10 @@ class LoRA(Adapter):
         targets = lora_target_modules(model, cfg)
         self.peft_config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                                       target_modules=targets, bias="none")
-        peft_model = get_peft_model(model, self.peft_config, adapter_name=ADAPTER_NAME)
+        # peft initialises the A matrices from torch's global RNG and takes no generator: run it on a fork of the
+        # global RNG seeded from ours (B starts at zero, so the logits at init do not depend on the draw).
+        with forked_global_rng(generator if generator is not None else torch.Generator().manual_seed(0)):
+            peft_model = get_peft_model(model, self.peft_config, adapter_name=ADAPTER_NAME)
         object.__setattr__(self, "peft_model", peft_model)
         object.__setattr__(self, "model", model)  # the LoRA-injected copy (peft wraps its Linears in place)
         object.__setattr__(self, "tower", TextTower(model, backbone.tokenizer))
@@ -213,8 +220,7 @@ class LoRA(Adapter):
         return g.prototype(emb.reshape(C, T, -1))
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:  # [B, D] raw image features -> [B, C]
-        g = self.backbone.geometry
-        return g.logits(g.embed_image(features.float()), self.prototypes())
+        return self.backbone.geometry.image_logits(features, self.prototypes())
 
     # -- export --------------------------------------------------------------
     def trainable_parameter_count(self) -> int:
@@ -248,7 +254,8 @@ class LoRA(Adapter):
 
         model = copy.deepcopy(self.backbone.model)  # a real copy: merging writes into the weights
         lora_target_modules(model, self.cfg)
-        pm = get_peft_model(model, self.peft_config, adapter_name=ADAPTER_NAME)
+        with forked_global_rng(0):  # peft's init draws are overwritten by the trained weights just below
+            pm = get_peft_model(model, self.peft_config, adapter_name=ADAPTER_NAME)
         set_peft_model_state_dict(pm, self.peft_state_dict(), adapter_name=ADAPTER_NAME)
         merged = pm.merge_and_unload()
         sd = pack_split_state({k: v.detach().cpu().contiguous() for k, v in merged.state_dict().items()})
@@ -262,4 +269,4 @@ class LoRA(Adapter):
         self._fixed_protos = None
 
 
-register_adapter("lora", LoRAConfig, LoRA)
+register_adapter("lora", LoRAConfig, LoRA, export=LORA)

@@ -3,8 +3,8 @@ __version__ = "0.1.0"
 
 
 def load_prompts(path, device="auto", **kwargs):
-    """Load what ``fewclip export`` wrote (a CoOp prompt file, a LoRA export folder or its merged file)
-    into a classifier: see ``fewclip.export.load_prompts``."""
+    """Load what ``fewclip export`` wrote, in any method's format (e.g. a CoOp prompt file, a LoRA export
+    folder or its merged file), into a classifier: see ``fewclip.export.load_prompts``."""
     from .export import load_prompts as _load_prompts
 
     return _load_prompts(path, device=device, **kwargs)

@@ -24,9 +24,9 @@ commands:
   sweep        methods x datasets x shots x seeds, resumable: fewclip sweep sweep/demo.yaml out=runs/demo
   report       seed-averaged tables and the accuracy-vs-shots plot: fewclip report runs/demo
   adapters     list the registered adapters (few-shot methods)
-  export       a CoOp run as one prompt file: fewclip export runs/coop -o prompts.safetensors [nearest=3];
-               a LoRA run as a folder (peft format): fewclip export runs/lora [merge=true]
-  predict      classify images with a prompt file or LoRA export: fewclip predict prompts=prompts.safetensors a.jpg
+  export       a run in its method's export format: fewclip export runs/coop -o prompts.safetensors [nearest=3]
+               (CoOp: one prompt file; LoRA: a peft folder, fewclip export runs/lora [merge=true])
+  predict      classify images with an export: fewclip predict prompts=prompts.safetensors a.jpg
   import       an authors' checkpoint as a backbone card folder: fewclip import meru meru_vit_s.pth
                arch=vit_small_mocov3_patch16_224 out=cards/meru-s, then backbone=cards/meru-s
                (formats meru, hycoclip, euclip, openai, open_clip; `fewclip import` alone lists their options)
@@ -95,12 +95,14 @@ def cmd_datasets(args: Sequence[str]) -> int:
 
 
 def cmd_zeroshot(args: Sequence[str]) -> int:
-    from .runs import run_zeroshot
+    from fewclip.adapters.zeroshot import ZeroShotConfig
+
+    from .runs import as_train_config, run_train
 
     cfg: RunConfig = load_config(args, RunConfig)
     setup_logging(cfg.log_level)
     out = run_dir(cfg.out, f"runs/zeroshot/{Path(cfg.backbone.name).stem}_{cfg.data.name}")
-    metrics = run_zeroshot(cfg, out)
+    metrics = run_train(as_train_config(cfg, ZeroShotConfig()), out)
     print(f"zero-shot top-1 {metrics['top1']:.2f}% on {metrics['dataset']} ({metrics['n_test']} test images) "
           f"with {metrics['backbone']} [{metrics['geometry']}] -> {out / 'metrics.json'}")
     return 0
@@ -161,7 +163,7 @@ def cmd_adapters(args: Sequence[str]) -> int:
         doc = (importlib.import_module(info.adapter_cls.__module__).__doc__ or "").strip().splitlines()
         print(f"{name}: {doc[0] if doc else ''}")
         defaults = {k: v for k, v in asdict(info.config_cls()).items() if k != "name"}
-        print("  " + " ".join(f"adapter.{k}={v}" for k, v in defaults.items()))
+        print("  " + (" ".join(f"adapter.{k}={v}" for k, v in defaults.items()) or "no options"))
         train = getattr(info.adapter_cls, "train_defaults", {})
         if train:
             print("  its own training defaults: " + " ".join(f"train.{k}={v}" for k, v in train.items()))
@@ -169,42 +171,36 @@ def cmd_adapters(args: Sequence[str]) -> int:
 
 
 def cmd_export(args: Sequence[str]) -> int:
-    from .export import export_run, summary
+    from fewclip.adapters import ADAPTERS
 
-    usage = "usage: fewclip export RUN_DIR [-o PATH] [nearest=K] [merge=false] [backbone.device=cpu]"
-    rest, opts = list(args), {"out": None, "nearest": "3", "merge": "false", "backbone.device": None}
+    from .export import export_run
+
+    def shown(v):
+        return str(v).lower() if isinstance(v, bool) else v
+
+    takes = "; ".join(f"{n}: " + (" ".join(f"{k}={shown(v)}" for k, v in i.export.options.items()) or "none")
+                      for n, i in sorted(ADAPTERS.items()) if i.export is not None)
+    usage = (f"usage: fewclip export RUN_DIR [-o PATH] [backbone.device=cpu] [OPTION=VALUE ...]; "
+             f"options by method: {takes}")
+    rest, out, device, options = list(args), None, None, {}
     paths = []
     while rest:
         a = rest.pop(0)
         if a in ("-o", "--out"):
             if not rest:
                 raise ConfigError(f"{a} needs a path; {usage}")
-            opts["out"] = rest.pop(0)
+            out = rest.pop(0)
+        elif a.startswith("backbone.device="):
+            device = a.split("=", 1)[1]
         elif "=" in a:
             key, value = a.split("=", 1)
-            if key not in opts:
-                raise ConfigError(f"unknown option {key!r}; {usage}")
-            opts[key] = value
+            options[key] = value  # the run's export format checks and converts them
         else:
             paths.append(a)
     if len(paths) != 1:
         raise ConfigError(usage)
-    try:
-        nearest = int(opts["nearest"])
-    except ValueError:
-        raise ConfigError(f"nearest must be an integer, got {opts['nearest']!r}") from None
-    if nearest < 1:
-        raise ConfigError(f"nearest must be >= 1, got {nearest}")
-    if opts["merge"] not in ("true", "false"):
-        raise ConfigError(f"merge must be true or false, got {opts['merge']!r}")
-    done = export_run(paths[0], opts["out"], nearest_k=nearest, merge=opts["merge"] == "true",
-                      device=opts["backbone.device"])
-    if done.meta["format"] == "fewclip.lora":
-        from .lora_export import summary as lora_summary
-
-        print(f"exported LoRA run {paths[0]}\n" + lora_summary(done.path, done.meta))
-    else:
-        print(f"exported CoOp run {paths[0]}\n" + summary(done.path, done.meta))
+    done = export_run(paths[0], out, device=device, **options)
+    print(f"exported {done.adapter} run {paths[0]}\n" + done.summary())
     return 0
 
 

@@ -1,14 +1,34 @@
-"""The training engine: a plain loop over cached features.
+"""The training engine: one feature pipeline per run, a plain loop, and fit-style training.
 
-The frozen image tower runs once per image *view*, not once per step: test
-and validation features are computed once, training features are cached for
-``train.augment_views`` augmented views (K) and epoch e uses view e mod K.
-``augment_views=0`` is the faithful mode: every step encodes freshly augmented
-images, as CoOp's reference code does.
+Every image-tower pass of a run goes through ``RunFeatures``, which decides
+once, from the adapter and the ``train`` section, where features come from:
 
-Defaults follow the CoOp protocol: SGD, lr 0.002, momentum 0.9, weight decay
-5e-4, cosine schedule after one warm-up epoch at a constant 1e-5, batch 32,
-epochs 50/100/100/200/200 for 1/2/4/8/16 shots, RandomResizedCrop + flip.
+* the frozen image tower (every adapter that does not train it): features are
+  computed once per image and view and kept in a ``FeatureCache`` that the runs
+  of a sweep share: test and validation images un-augmented, training images
+  un-augmented and in augmented views;
+* the adapter's own image tower (``adapter.trains_image_tower``, e.g. LoRA on
+  the vision tower): every step encodes freshly augmented pixels through
+  ``adapter.encode_images`` with gradients, and validation and test images are
+  encoded through it as it is when asked.
+
+A view is a pure function of (run seed, view index, image id)
+(``fewclip.features.View``). The loop trains epoch e on view e mod K of
+``train.augment_views=K`` cached views, or on view e itself, encoded at every
+step (``augment_views=0``, the faithful mode of CoOp's reference code: the same
+pixels as K cached views for the first K epochs); ``train.augment=false``
+trains on the un-augmented features.
+
+How an adapter trains is its ``trained_by``: ``"loop"`` adapters get a
+``FeatureSource`` that ``train_loop`` asks for batches and validation
+features; ``"fit"`` adapters get a ``FitData`` (un-augmented features,
+``adapter.fit_views()`` augmented views, validation features, the run's train
+settings and generator) in ``adapter.fit``; ``None`` adapters train on
+nothing.
+
+Loop defaults follow the CoOp protocol: SGD, lr 0.002, momentum 0.9, weight
+decay 5e-4, cosine schedule after one warm-up epoch at a constant 1e-5, batch
+32, epochs 50/100/100/200/200 for 1/2/4/8/16 shots, RandomResizedCrop + flip.
 """
 from __future__ import annotations
 
@@ -16,15 +36,17 @@ import copy
 import logging
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
-from torchvision import transforms as T
 
-from .features import ImageItems, accuracy, extract_features, progress
+from .cost import RunCost
+from .features import Augment, FeatureCache, Features, View, accuracy, extract_features, progress
 from .records import NonFiniteError
+from .rng import forked_global_rng
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +61,8 @@ class TrainConfig:
     lr: float = 0.002
     momentum: float = 0.9
     weight_decay: float = 5e-4
+    # AdamW's epsilon (train.optimizer=adamw).
+    eps: float = 1e-8
     # null = CoOp's schedule by shots (50/100/100/200/200 for 1/2/4/8/16).
     epochs: Optional[int] = None
     # A number of optimiser steps instead of epochs: `iterations` in total, or `iterations_per_shot` x shots
@@ -50,6 +74,8 @@ class TrainConfig:
     batch_size: int = 32
     # Cached augmented views of the training images; 0 = encode every step (faithful, slow).
     augment_views: int = 8
+    # false: train on the un-augmented training features (no crops or flips).
+    augment: bool = True
     # RandomResizedCrop's smallest area fraction; null = the dataset's recommendation (0.08 for photos).
     crop_scale_min: Optional[float] = None
     # "last": the last epoch's model (CoOp); "val": the epoch with the best few-shot validation accuracy.
@@ -79,6 +105,8 @@ class TrainConfig:
                 raise ValueError(f"train.{key} must be a finite number, got {getattr(self, key)}")
         if self.lr <= 0:
             raise ValueError(f"train.lr must be > 0, got {self.lr}")
+        if self.eps <= 0:
+            raise ValueError(f"train.eps must be > 0, got {self.eps}")
         if self.crop_scale_min is not None and not 0 < self.crop_scale_min <= 1:
             raise ValueError(f"train.crop_scale_min must be in (0, 1], got {self.crop_scale_min}")
 
@@ -101,17 +129,6 @@ def total_steps(cfg: TrainConfig, shots: int, per_epoch: int) -> int:
     return epochs_for(cfg, shots) * per_epoch
 
 
-def train_transform(backbone, dataset, cfg: TrainConfig):
-    """RandomResizedCrop (+ horizontal flip where the dataset allows it) and the backbone's normalisation."""
-    scale_min = cfg.crop_scale_min if cfg.crop_scale_min is not None else getattr(dataset, "min_crop_scale", 0.08)
-    steps = [T.RandomResizedCrop(backbone.image_size, scale=(scale_min, 1.0),
-                                 interpolation=T.InterpolationMode.BICUBIC)]
-    if getattr(dataset, "hflip_ok", True):
-        steps.append(T.RandomHorizontalFlip())
-    steps += [T.Lambda(lambda im: im.convert("RGB")), T.ToTensor(), T.Normalize(backbone.mean, backbone.std)]
-    return T.Compose(steps)
-
-
 def cosine_lr(step: int, total: int, warmup: int, base: float, warmup_lr: float) -> float:
     """Constant ``warmup_lr`` for the warm-up steps, then cosine from ``base`` to 0 (CoOp's ConstantWarmup + cosine)."""
     if step < warmup:
@@ -120,7 +137,16 @@ def cosine_lr(step: int, total: int, warmup: int, base: float, warmup_lr: float)
     return 0.5 * base * (1 + math.cos(math.pi * t))
 
 
-def _autocast(device: torch.device, amp: str):
+def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The optimiser of the ``train`` section: SGD (lr, momentum, weight decay) or AdamW (lr, weight decay, eps)."""
+    params = list(params)
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.eps)
+
+
+def amp_autocast(device: torch.device, amp: str):
+    """Autocast for ``train.amp`` on CUDA ("bf16" or "fp16"); off on the CPU and for "none"."""
     if device.type != "cuda" or amp == "none":
         return torch.autocast(device.type, enabled=False)
     return torch.autocast("cuda", dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
@@ -131,88 +157,236 @@ def evaluate(adapter, feats: torch.Tensor, labels: torch.Tensor, classnames, bat
              amp: str = "none") -> Dict:
     device = adapter.backbone.device
     outs = []
-    with _autocast(device, amp):
+    with amp_autocast(device, amp):
         for i in range(0, len(feats), batch_size):
             outs.append(adapter(feats[i : i + batch_size].to(device)).float().cpu())
     logits = torch.cat(outs) if outs else torch.empty(0, len(classnames))
     return accuracy(logits, labels, classnames)
 
 
-def cache_train_views(backbone, dataset, items, cfg: TrainConfig, seed: int, batch_size: int,
-                      workers: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
-    """K augmented views of the training images, encoded once (deterministic by seed)."""
-    tf = train_transform(backbone, dataset, cfg)
-    views = []
-    for k in range(cfg.augment_views):
-        torch.manual_seed(seed * 1000 + k)
-        views.append(extract_features(backbone, dataset, items, transform=tf, batch_size=batch_size,
-                                      workers=workers, desc=f"train view {k + 1}/{cfg.augment_views}"))
-    return views
+# ---------------------------------------------------------------------------
+# what a run trains on
+# ---------------------------------------------------------------------------
 
 
-def train_gradient(adapter, train_views, val, classnames, cfg: TrainConfig, shots: int, seed: int,
-                   encode_fn=None) -> Dict:
-    """The loop for gradient adapters. ``train_views``: list of (features, labels);
-    with ``encode_fn`` (faithful mode, or an adapted image tower) each batch's images are
-    encoded on the fly and ``train_views`` holds a single (item indices, labels) pair instead.
-    ``val``: (features, labels), a function returning them (re-encoded by an adapted image
-    tower), or None."""
+class FeatureSource:
+    """What the loop trains on, chosen once per run: ``batch(epoch, idx)`` gives the adapter's inputs [B, D]
+    for training images ``idx`` in epoch ``epoch``, ``validation()`` the validation features as the adapter
+    sees them now ([0, D] when the split has none); ``labels`` [N] are the training labels."""
+
+    labels: torch.Tensor
+
+    def batch(self, epoch: int, idx: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def validation(self) -> Features:
+        raise NotImplementedError
+
+
+class CachedFeatures(FeatureSource):
+    """Precomputed features: epoch e uses ``views[e % len(views)]`` (augmented views, or the un-augmented
+    features as the only view). A fit-style adapter can hand its ``FitData`` to ``train_loop`` this way."""
+
+    def __init__(self, views: Sequence[Features], val: Features):
+        if not views:
+            raise ValueError("CachedFeatures needs at least one view of the training images")
+        self.views = list(views)
+        self.labels = self.views[0].y
+        self.val = val
+
+    def batch(self, epoch: int, idx: torch.Tensor) -> torch.Tensor:
+        return self.views[epoch % len(self.views)].x[idx]
+
+    def validation(self) -> Features:
+        return self.val
+
+
+class FreshImages(FeatureSource):
+    """View ``epoch`` of each image in the batch (the un-augmented image with ``train.augment=false``), encoded
+    at every step: by the frozen tower (the faithful mode, in the backbone's precision, no gradients) or by the
+    adapter's own image tower (with gradients, under the step's autocast)."""
+
+    def __init__(self, run: "RunFeatures"):
+        self.run = run
+        self.labels = torch.tensor([it.label for it in run.split.train], dtype=torch.long)
+        self.plain = None if run.cfg.augment else run.backbone.preprocess()
+
+    def batch(self, epoch: int, idx: torch.Tensor) -> torch.Tensor:
+        run = self.run
+        view = run.view(epoch)
+        items = [run.split.train[int(i)] for i in idx]
+        images = [run.dataset.load_image(it) for it in items]
+        pixels = torch.stack([view(im, it) if self.plain is None else self.plain(im) for im, it in zip(images, items)])
+        run.cost.count_images(len(items))
+        if run.own_tower:
+            return run.adapter.encode_images(pixels)
+        with torch.no_grad(), torch.autocast(run.backbone.device.type, enabled=False):
+            return run.backbone.encode_images(pixels)
+
+    def validation(self) -> Features:
+        return self.run.validation()
+
+
+@dataclass
+class FitData:
+    """What a fit-style adapter's ``fit`` gets: raw image-tower features of the few-shot split, and the run's
+    training settings."""
+
+    train: Features  # the un-augmented training images [N, D], labels [N]
+    views: List[Features]  # adapter.fit_views() augmented views of the same images, in the same order
+    val: Features  # the validation images ([0, D] when the split has none)
+    cfg: TrainConfig  # the run's train section (the adapter's train_defaults, then the user's overrides)
+    shots: int
+    generator: torch.Generator  # for any random draw (the run's generator)
+
+
+class RunFeatures:
+    """Every image-tower pass of one run (module docstring). The adapter's ``trains_image_tower`` is asked here,
+    once: with it, images go through ``adapter.encode_images`` whenever asked; without it, through the
+    frozen tower once per image and view, shared through ``cache``. Every image is counted in ``cost``."""
+
+    def __init__(self, adapter, dataset, split, cfg: TrainConfig, *, seed: int, cache: Optional[FeatureCache] = None,
+                 cost: Optional[RunCost] = None, batch_size: int = 256, workers: int = 0):
+        self.adapter = adapter
+        self.backbone = adapter.backbone
+        self.dataset = dataset
+        self.split = split  # None for an adapter that trains on nothing
+        self.cfg = cfg
+        self.seed = seed
+        self.cache = cache if cache is not None else FeatureCache()
+        self.cost = cost if cost is not None else RunCost(self.backbone.device)
+        self.batch_size, self.workers = batch_size, workers
+        self.own_tower = bool(adapter.trains_image_tower)
+        self.augment = Augment.for_run(self.backbone, dataset, cfg.crop_scale_min)
+        self._val: Optional[Features] = None
+
+    def view(self, index: int) -> View:
+        """Augmented view ``index`` of this run's training images."""
+        return View(self.augment, self.seed, index)
+
+    def _encode(self, items: Sequence, view: Optional[View], desc: str) -> Features:
+        if self.own_tower:
+            adapter, was_training = self.adapter, self.adapter.training
+            adapter.eval()
+            with torch.no_grad(), amp_autocast(self.backbone.device, self.cfg.amp):
+                out = extract_features(self.backbone, self.dataset, items, view=view, batch_size=self.batch_size,
+                                       workers=self.workers, desc=desc, encode=adapter.encode_images)
+            adapter.train(was_training)
+            self.cost.count_images(len(items))
+            return out
+        out, encoded = self.cache.features(self.backbone, self.dataset, items, view=view,
+                                           batch_size=self.batch_size, workers=self.workers, desc=desc)
+        self.cost.count_images(len(items), encoded)
+        return out
+
+    def train_plain(self) -> Features:
+        """The un-augmented training images."""
+        return self._encode(self.split.train, None, "train")
+
+    def train_views(self, k: int) -> List[Features]:
+        """Views 0 .. k-1 of the training images."""
+        return [self._encode(self.split.train, self.view(i), f"train view {i + 1}/{k}") for i in range(k)]
+
+    def validation(self) -> Features:
+        """The validation images as the adapter sees them now: computed once for the frozen tower, through the
+        adapter's own tower at every call."""
+        if self._val is not None:
+            return self._val
+        items = self.split.val if self.split is not None else []
+        if not items:
+            val = Features.empty(self.dim())
+        else:
+            val = self._encode(items, None, "val")
+        if not self.own_tower:
+            self._val = val
+        return val
+
+    def test(self, items: Sequence) -> Features:
+        return self._encode(items, None, f"{self.dataset.name} test")
+
+    def dim(self) -> int:
+        """Width of the image tower's output."""
+        return int(self.backbone.encode_text(["a"]).shape[-1])
+
+    # -- what each kind of adapter trains on ----------------------------------
+    def loop_source(self, epochs: int) -> FeatureSource:
+        """The loop's feature source for a run of ``epochs`` epochs."""
+        cfg = self.cfg
+        if self.own_tower or (cfg.augment and cfg.augment_views == 0):
+            return FreshImages(self)
+        views = [self.train_plain()] if not cfg.augment else self.train_views(min(cfg.augment_views, epochs))
+        # validation images are encoded only for a loop that selects on them
+        val = self.validation() if cfg.select == "val" else Features.empty(views[0].x.shape[1])
+        return CachedFeatures(views, val)
+
+    def fit_data(self, views: int, shots: int, generator: torch.Generator) -> FitData:
+        if self.own_tower:
+            raise ValueError(f"adapter {self.adapter.name!r} trains its image tower, so it is trained by the loop "
+                             f"(trained_by = 'loop'), not by fit()")
+        return FitData(self.train_plain(), self.train_views(views), self.validation(), self.cfg, shots, generator)
+
+
+# ---------------------------------------------------------------------------
+# training
+# ---------------------------------------------------------------------------
+
+
+def schedule(cfg: TrainConfig, shots: int, n: int) -> Tuple[int, int, int, int]:
+    """(steps per epoch, total steps, epochs, warm-up steps) of the loop on ``n`` training images."""
+    per_epoch = math.ceil(n / cfg.batch_size)
+    total = total_steps(cfg, shots, per_epoch)
+    epochs = math.ceil(total / per_epoch)
+    return per_epoch, total, epochs, min(cfg.warmup_epochs * per_epoch, total)
+
+
+def train_loop(adapter, source: FeatureSource, cfg: TrainConfig, shots: int, generator: torch.Generator) -> Dict:
+    """The gradient loop: cross-entropy on ``source``'s batches, ``make_optimizer``, CoOp's cosine schedule;
+    ``train.select=val`` keeps the epoch with the best validation accuracy. Batch order comes from ``generator``;
+    code that draws from torch's global RNG (dropout) runs on a fork of it seeded from ``generator``."""
     device = adapter.backbone.device
     params = adapter.trainable_parameters()
     if not params:
         raise ValueError(f"adapter {adapter.name!r} has no trainable parameters")
-    if cfg.optimizer == "sgd":
-        opt = torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-    else:
-        opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    n = len(train_views[0][1])
-    per_epoch = math.ceil(n / cfg.batch_size)
-    total = total_steps(cfg, shots, per_epoch)
-    epochs = math.ceil(total / per_epoch)
-    warmup = min(cfg.warmup_epochs * per_epoch, total)
-    gen = torch.Generator().manual_seed(seed)
+    opt = make_optimizer(params, cfg)
+    n = len(source.labels)
+    per_epoch, total, epochs, warmup = schedule(cfg, shots, n)
     best = (-1.0, None, -1)
     history = []
     step = 0
     adapter.train()
-    bar = progress(range(epochs), desc=f"train {adapter.name}", unit="epoch", leave=False)
-    for epoch in bar:
-        feats, labels = train_views[epoch % len(train_views)]
-        perm = torch.randperm(n, generator=gen)
-        total_loss, seen = 0.0, 0
-        for b in range(min(per_epoch, total - step)):
-            idx = perm[b * cfg.batch_size : (b + 1) * cfg.batch_size]
-            for g in opt.param_groups:
-                g["lr"] = cosine_lr(step, total, warmup, cfg.lr, cfg.warmup_lr)
-            y = labels[idx].to(device)
-            if encode_fn is not None and not adapter.trains_image_tower:
-                x = encode_fn(idx)  # the frozen tower, in the backbone's precision (faithful mode)
-            with _autocast(device, cfg.amp):
-                if encode_fn is None:
-                    x = feats[idx].to(device)
-                elif adapter.trains_image_tower:
-                    x = encode_fn(idx)  # the adapted image tower, with gradients, under autocast
-                logits = adapter(x)
-            loss = F.cross_entropy(logits.float(), y)
-            if not torch.isfinite(loss):  # stop: nothing non-finite is trained on, saved or recorded
-                raise NonFiniteError(f"the training loss became {float(loss.detach())} at step {step + 1} "
-                                     f"(epoch {epoch + 1}) of {adapter.name}; the run is stopped and not recorded. "
-                                     f"Lower train.lr (now {cfg.lr}) or check the data")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            total_loss += float(loss.detach()) * len(idx)
-            seen += len(idx)
-            step += 1
-        entry = {"epoch": epoch + 1, "loss": total_loss / max(seen, 1)}
-        if cfg.select == "val" and val is not None:
-            vx, vy = val() if callable(val) else val
-            acc = evaluate(adapter, vx, vy, classnames)["top1"]
-            entry["val_top1"] = acc
-            if acc > best[0]:
-                best = (acc, copy.deepcopy(adapter.adapter_state_dict()), epoch + 1)
-        history.append(entry)
-        bar.set_postfix(loss=f"{entry['loss']:.3f}")
+    with forked_global_rng(generator):
+        bar = progress(range(epochs), desc=f"train {adapter.name}", unit="epoch", leave=False)
+        for epoch in bar:
+            perm = torch.randperm(n, generator=generator)
+            total_loss, seen = 0.0, 0
+            for b in range(min(per_epoch, total - step)):
+                idx = perm[b * cfg.batch_size : (b + 1) * cfg.batch_size]
+                for g in opt.param_groups:
+                    g["lr"] = cosine_lr(step, total, warmup, cfg.lr, cfg.warmup_lr)
+                y = source.labels[idx].to(device)
+                with amp_autocast(device, cfg.amp):
+                    logits = adapter(source.batch(epoch, idx).to(device))
+                loss = F.cross_entropy(logits.float(), y)
+                if not torch.isfinite(loss):  # stop: nothing non-finite is trained on, saved or recorded
+                    raise NonFiniteError(f"the training loss became {float(loss.detach())} at step {step + 1} "
+                                         f"(epoch {epoch + 1}) of {adapter.name}; the run is stopped and not "
+                                         f"recorded. Lower train.lr (now {cfg.lr}) or check the data")
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                total_loss += float(loss.detach()) * len(idx)
+                seen += len(idx)
+                step += 1
+            entry = {"epoch": epoch + 1, "loss": total_loss / max(seen, 1)}
+            if cfg.select == "val":
+                vx, vy = source.validation()
+                if len(vy):
+                    acc = evaluate(adapter, vx, vy, adapter.classnames)["top1"]
+                    entry["val_top1"] = acc
+                    if acc > best[0]:
+                        best = (acc, copy.deepcopy(adapter.adapter_state_dict()), epoch + 1)
+            history.append(entry)
+            bar.set_postfix(loss=f"{entry['loss']:.3f}")
     adapter.eval()
     info = {"epochs": epochs, "steps": step, "final_loss": history[-1]["loss"] if history else None,
             "loss_curve": [round(h["loss"], 5) for h in history]}
@@ -222,43 +396,24 @@ def train_gradient(adapter, train_views, val, classnames, cfg: TrainConfig, shot
     return info
 
 
-def fit_adapter(adapter, backbone, dataset, split, cfg: TrainConfig, *, seed: int, batch_size: int = 256,
-                workers: int = 0, val_features=None) -> Dict:
-    """Train ``adapter`` on the few-shot ``split``; returns training info (time, epochs, ...)."""
-    t0 = time.time()
-    if val_features is None and not adapter.trains_image_tower:
-        val_features = extract_features(backbone, dataset, split.val, batch_size=batch_size, workers=workers,
-                                        desc="val") if split.val else None
-    if adapter.closed_form:
-        # Closed-form probes fit on the un-augmented training features (as in the CLIP paper).
-        tx, ty = extract_features(backbone, dataset, split.train, batch_size=batch_size, workers=workers,
-                                  desc="train")
-        vx, vy = val_features if val_features is not None else (None, None)
-        info = adapter.fit(tx, ty, vx, vy) or {}
-    elif cfg.augment_views == 0 or adapter.trains_image_tower:
-        # Fresh augmentations every step: the faithful mode, and always when the image tower is trained.
-        tf = train_transform(backbone, dataset, cfg)
-        items = ImageItems(dataset, split.train, tf)
-        labels = torch.tensor([it.label for it in split.train])
-        torch.manual_seed(seed)
+def fit_adapter(adapter, run: RunFeatures, cfg: TrainConfig, *, shots: int, generator: torch.Generator) -> Dict:
+    """Train ``adapter`` the way its ``trained_by`` says, on what ``run`` encodes; returns training info.
+    The training itself (not the frozen tower's features it starts from) is timed into ``run.cost``."""
+    if adapter.trained_by is None:
+        return {}
+    if adapter.trained_by == "fit":
+        data = run.fit_data(adapter.fit_views(), shots, generator)
+        with _timed(run.cost):
+            return adapter.fit(data) or {}
+    source = run.loop_source(schedule(cfg, shots, len(run.split.train))[2])
+    with _timed(run.cost):
+        return train_loop(adapter, source, cfg, shots, generator)
 
-        def encode(idx):
-            pixels = torch.stack([items[int(i)][0] for i in idx])
-            return adapter.encode_images(pixels)
 
-        def adapted_val():  # validation features through the adapted image tower, as it is now
-            with torch.no_grad():
-                adapter.eval()
-                out = extract_features(backbone, dataset, split.val, batch_size=batch_size, workers=workers,
-                                       desc="val", encode=adapter.encode_images)
-                adapter.train()
-                return out
-
-        val = adapted_val if (adapter.trains_image_tower and split.val) else val_features
-        info = train_gradient(adapter, [(torch.arange(len(labels)), labels)], val, dataset.classnames,
-                              cfg, split.shots, seed, encode_fn=encode)
-    else:
-        views = cache_train_views(backbone, dataset, split.train, cfg, seed, batch_size, workers)
-        info = train_gradient(adapter, views, val_features, dataset.classnames, cfg, split.shots, seed)
-    info["train_time_s"] = round(time.time() - t0, 3)
-    return info
+@contextmanager
+def _timed(cost: RunCost):
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        cost.train_time_s += time.perf_counter() - t0

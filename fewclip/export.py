@@ -1,77 +1,45 @@
-"""Exported prompts: a CoOp run as one self-describing ``.safetensors`` file.
+"""Exports: a finished run as a classifier that needs only the frozen backbone.
 
-``fewclip export RUN_DIR -o prompts.safetensors`` turns a finished CoOp run
-into a classifier that needs only the frozen backbone::
+``fewclip export RUN_DIR [-o PATH] [OPTION=VALUE ...]`` writes a run in its
+adapter's own format, and ``fewclip predict`` / ``fewclip.load_prompts`` load
+any export back as a ``Classifier``::
 
     fewclip export runs/coop -o prompts.safetensors
     fewclip predict prompts=prompts.safetensors cat.jpg dog.png top_k=3
 
-and from Python::
-
     import fewclip
     clf = fewclip.load_prompts("prompts.safetensors")      # loads and checks the backbone
     clf.predict([Image.open("cat.jpg")], top_k=3)          # [[("tabby", 0.91), ...]]
-    clf.with_classnames(["lynx", "ocelot"])                # unified context only
+    clf.with_classnames(["lynx", "ocelot"])                # where the format allows new names
 
-The file
---------
-Tensors (float32):
+The core knows no format. Each adapter registers its ``ExportFormat`` beside
+it (``register_adapter(..., export=...)``; CoOp's prompt file in
+``fewclip.adapters.coop_export``, LoRA's peft folder in
+``fewclip.adapters.lora_export``). ``export_run`` reads the run (config,
+split, templates, adapter tensors), checks that the backbone has the weights
+the run was trained on, rebuilds the adapter and calls the format's ``write``
+with the metadata every export carries:
 
-* ``ctx``            learned context vectors, ``[n_ctx, W]`` (unified) or ``[C, n_ctx, W]`` (class-specific)
-* ``prototypes``     one point per class in the geometry's space, ``[C, D]``: what the logits compare against
-* ``text_features``  raw text-tower outputs of the learned prompts, ``[C, D]``
+* ``format`` (the format's name), ``format_version``, ``fewclip_version``;
+* ``backbone``: ``name``, ``source``, ``weights_sha256`` of its weights file,
+  ``state_sha256`` (a checksum of the loaded state dict, only where no weights
+  file checksum exists, e.g. open_clip pretrained tags) and ``config``, the
+  ``backbone`` section to load it again;
+* ``geometry`` (``name``, ``params``), ``preprocess`` (``image_size``,
+  ``mean``, ``std``), ``tokenizer``, ``classnames``;
+* ``run`` (``dir``, ``dataset``, ``shots``, ``seed``, ``top1``).
 
-One metadata entry, ``"fewclip"``, holds a JSON object with: ``format``
-(``"fewclip.prompts"``), ``format_version``, ``fewclip_version``,
-``backbone`` (``name``, ``source``, ``weights_sha256`` of its weights file,
-``state_sha256`` (a checksum of the loaded state dict, only where no weights
-file checksum exists, e.g. open_clip pretrained tags), and ``config``, the
-``backbone`` section to load it again), ``geometry`` (``name``, ``params``),
-``preprocess`` (``image_size``, ``mean``, ``std``), ``tokenizer``,
-``classnames``, ``prompt`` (``class_token_position``, ``n_ctx``, ``csc``,
-``ctx_init``), ``nearest_words`` (CoOp's reading of the context: the ``k``
-vocabulary tokens nearest to each vector, ``[n_ctx][k]`` for a unified
-context, ``[C][n_ctx][k]`` in class order for a class-specific one),
-``nearest_k``, and ``run`` (``dir``, ``dataset``, ``shots``, ``seed``,
-``top1``).
+An export keeps this metadata as JSON under the ``"fewclip"`` metadata key of
+a ``.safetensors`` file, or in ``fewclip.json`` inside an export folder.
+``load_prompts`` reads it, finds the format by its name, checks the version,
+loads the backbone it names (or takes the one given) and refuses other
+weights, then calls the format's ``load``.
 
-Probabilities
--------------
-``predict`` reports a softmax over the file's classes for every geometry,
-the closed-set class posterior that CoOp is trained for (cross-entropy over
-the classes). For the ``sigmoid`` geometry (SigLIP) the logit bias is a
-constant that cancels in the softmax; SigLIP's per-pair sigmoid match
-probabilities are ``torch.sigmoid(clf.logits(images))`` if you want them.
-
-Without fewclip
----------------
-The prototypes are all a classifier needs, so plain ``open_clip`` and
-``safetensors`` can use the file (for the backbone it names, with weights
-whose sha256 is ``meta["backbone"]["weights_sha256"]``)::
-
-    import json, torch, torch.nn.functional as F, open_clip
-    from safetensors import safe_open
-
-    with safe_open("prompts.safetensors", "pt") as f:
-        meta = json.loads(f.metadata()["fewclip"])
-        protos = f.get_tensor("prototypes")                              # [C, D]
-    model, _, _ = open_clip.create_model_and_transforms("ViT-B-32", pretrained="openai")
-    pre = meta["preprocess"]
-    tf = open_clip.image_transform(pre["image_size"], is_train=False, mean=pre["mean"], std=pre["std"])
-    with torch.no_grad():
-        x = model.eval().encode_image(tf(image).unsqueeze(0)).float()   # [1, D] raw image features
-    g, p = meta["geometry"]["name"], meta["geometry"]["params"]
-    if g in ("clip", "sigmoid"):       # scale * cosine (+ bias for sigmoid)
-        logits = p["logit_scale"] * F.normalize(x, dim=-1) @ protos.T + p.get("logit_bias", 0.0)
-    elif g == "euclidean":             # features / sqrt(D), minus scaled distance
-        logits = -p["logit_scale"] * torch.cdist(x / x.shape[-1] ** 0.5, protos)
-    probs = logits.softmax(-1)         # classes in meta["classnames"] order
-
-``euclidean_sq`` uses the squared distance, ``elliptic`` ``-scale *
-arccos(cosine)``; the hyperbolic geometries scale the features by
-``alpha_image``, lift them with the exponential map at the origin and use the
-Lorentz distance: ``fewclip.geometry`` (``exp_map0``, ``lorentz_distance``)
-holds each formula as a small tensor function.
+Probabilities: ``predict`` reports a softmax over the classifier's classes for
+every geometry, the closed-set class posterior the methods are trained for.
+For the ``sigmoid`` geometry (SigLIP) the logit bias is a constant that cancels
+in the softmax; SigLIP's per-pair sigmoid match probabilities are
+``torch.sigmoid(clf.logits(images))`` if you want them.
 """
 from __future__ import annotations
 
@@ -86,17 +54,15 @@ import torch
 
 log = logging.getLogger(__name__)
 
-FORMAT = "fewclip.prompts"
-FORMAT_VERSION = 1
-METADATA_KEY = "fewclip"
-TENSORS = ("ctx", "prototypes", "text_features")
-# Keys every file's metadata must have (and what each must be).
+METADATA_KEY = "fewclip"  # the safetensors metadata key of a file export
+META_FILE = "fewclip.json"  # the metadata of a folder export
+# Keys every export's metadata has (and what each must be).
 _REQUIRED = {"format": str, "format_version": int, "backbone": dict, "geometry": dict, "classnames": list,
-             "prompt": dict, "preprocess": dict}
+             "preprocess": dict}
 
 
 class ExportError(ValueError):
-    """A run that cannot be exported, or a prompt file or image that cannot be used; the message says which."""
+    """A run that cannot be exported, or an export or image that cannot be used; the message says which."""
 
 
 # ---------------------------------------------------------------------------
@@ -116,7 +82,7 @@ def state_sha256(model: torch.nn.Module) -> str:
 
 
 def backbone_identity(backbone, cfg=None) -> Dict[str, Any]:
-    """What names a backbone in a prompt file: name, source, checksum, and the config section to load it."""
+    """What names a backbone in an export: name, source, checksum, and the config section to load it."""
     ident = {
         "name": backbone.name,
         "source": backbone.source,
@@ -134,7 +100,7 @@ def backbone_identity(backbone, cfg=None) -> Dict[str, Any]:
 
 
 def check_backbone(meta: Dict[str, Any], backbone, path: Union[str, Path]) -> None:
-    """Refuse a backbone whose weights are not the ones the prompt file was exported from."""
+    """Refuse a backbone whose weights are not the ones the export was made from."""
     want = meta["backbone"]
     if want.get("weights_sha256"):
         have, kind = backbone.weights_sha256, "weights sha256"
@@ -144,29 +110,14 @@ def check_backbone(meta: Dict[str, Any], backbone, path: Union[str, Path]) -> No
         want_sum = want.get("state_sha256")
     if not want_sum or have != want_sum:
         raise ExportError(
-            f"prompt file {path} was exported from another backbone: it names {want.get('name')!r} with {kind} "
+            f"export {path} was exported from another backbone: it names {want.get('name')!r} with {kind} "
             f"{str(want_sum)[:16]}..., but the loaded backbone {backbone.name!r} ({backbone.source}) has "
-            f"{str(have)[:16]}.... Prompts only work with the exact weights they were learned on."
+            f"{str(have)[:16]}.... What a run learned only works with the exact weights it was learned on."
         )
     g = meta["geometry"]
     if g["name"] != backbone.geometry.name:
-        raise ExportError(f"prompt file {path} uses the {g['name']!r} geometry but backbone {backbone.name!r} "
+        raise ExportError(f"export {path} uses the {g['name']!r} geometry but backbone {backbone.name!r} "
                           f"has {backbone.geometry.name!r}")
-
-
-# ---------------------------------------------------------------------------
-# writing
-# ---------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def prompt_tensors(adapter) -> Dict[str, torch.Tensor]:
-    """The tensors of a prompt file for a CoOp adapter: ctx, prototypes [C, D], text_features [C, D]."""
-    return {
-        "ctx": adapter.ctx.detach().float().cpu().contiguous(),
-        "prototypes": adapter.prototypes().float().cpu().contiguous(),
-        "text_features": adapter.text_features().float().cpu().contiguous(),
-    }
 
 
 def backbone_metadata(bb, backbone_cfg=None) -> Dict[str, Any]:
@@ -194,71 +145,135 @@ def backbone_from_metadata(meta: Dict[str, Any], path, device: str,
     return load_backbone(cfg)
 
 
-def prompt_metadata(adapter, *, backbone_cfg=None, run: Optional[Dict[str, Any]] = None,
-                    nearest_k: int = 3) -> Dict[str, Any]:
-    """The JSON metadata of a prompt file for a CoOp adapter (see the module docstring for the keys)."""
+# ---------------------------------------------------------------------------
+# the metadata of an export
+# ---------------------------------------------------------------------------
+
+
+def export_metadata(adapter, fmt, *, backbone_cfg=None, run: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """The metadata every export carries (module docstring), for ``adapter`` in format ``fmt``."""
     from . import __version__
 
-    bb = adapter.backbone
-    cfg = adapter.cfg
-    words = adapter.nearest_words(nearest_k)  # [groups][n_ctx][k]
     return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format": fmt.name,
+        "format_version": fmt.version,
         "fewclip_version": __version__,
-        **backbone_metadata(bb, backbone_cfg),
+        **backbone_metadata(adapter.backbone, backbone_cfg),
         "classnames": list(adapter.classnames),
-        "prompt": {"class_token_position": cfg.class_token_position, "n_ctx": int(adapter.n_ctx),
-                   "csc": bool(cfg.csc), "ctx_init": cfg.ctx_init},
-        "nearest_k": int(nearest_k),
-        "nearest_words": words if cfg.csc else words[0],
         "run": dict(run or {}),
     }
 
 
-def write_prompts(path: Union[str, Path], tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> Path:
-    """Write a prompt file atomically."""
-    from safetensors.torch import save_file
+def read_metadata(path: Union[str, Path]) -> Dict[str, Any]:
+    """The metadata of an export: a ``.safetensors`` file's ``"fewclip"`` entry, or a folder's ``fewclip.json``.
+    Any problem is an ExportError naming it."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / META_FILE).is_file():
+            raise ExportError(f"{path} is a folder but not a fewclip export (it has no {META_FILE}): give a prompt "
+                              f"file or export folder written by `fewclip export`")
+        try:
+            text = (path / META_FILE).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ExportError(f"cannot read {path / META_FILE}: {e}") from None
+        where = f"{path / META_FILE}"
+    else:
+        from safetensors import safe_open
 
-    from .io import atomic_write
-
-    text = json.dumps(meta, sort_keys=False)
-    return atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={METADATA_KEY: text}))
-
-
-def export_prompts(adapter, path: Union[str, Path], *, backbone_cfg=None, run: Optional[Dict[str, Any]] = None,
-                   nearest_k: int = 3) -> Dict[str, Any]:
-    """Write a CoOp adapter's prompts to ``path``; returns the metadata written."""
-    from fewclip.adapters.coop import CoOp
-
-    if not isinstance(adapter, CoOp):
-        raise ExportError(f"cannot export adapter {getattr(adapter, 'name', type(adapter).__name__)!r}: "
-                          f"fewclip export writes CoOp prompts (learned context vectors) and supports "
-                          f"adapter=coop only")
-    meta = prompt_metadata(adapter, backbone_cfg=backbone_cfg, run=run, nearest_k=nearest_k)
-    write_prompts(path, prompt_tensors(adapter), meta)
+        if not path.is_file():
+            raise ExportError(f"export not found: {path}")
+        try:
+            with safe_open(str(path), "pt") as f:
+                raw = f.metadata() or {}
+        except Exception as e:  # truncated or not safetensors at all
+            raise ExportError(f"{path} is damaged or not a safetensors file ({e})") from None
+        if METADATA_KEY not in raw:
+            raise ExportError(f"{path} has no {METADATA_KEY!r} metadata: not a file written by fewclip export")
+        text, where = raw[METADATA_KEY], f"{path}: its {METADATA_KEY!r} metadata"
+    try:
+        meta = json.loads(text)
+    except ValueError as e:
+        raise ExportError(f"{where} is not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise ExportError(f"{where} must be a JSON object")
     return meta
+
+
+def check_metadata(meta: Dict[str, Any], path: Union[str, Path], fmt) -> None:
+    """The keys every export has, and a version of ``fmt`` that this fewclip reads."""
+    where = Path(path) / META_FILE if Path(path).is_dir() else path
+    fix = "the export is damaged or was not written by `fewclip export`: export the run again"
+    version = meta.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= fmt.version:
+        newer = isinstance(version, int) and version > fmt.version
+        raise ExportError(f"{where} has {fmt.name} format version {version!r}; this fewclip reads version "
+                          f"{fmt.version}" + (" (written by a newer fewclip: upgrade)" if newer else f"; {fix}"))
+    for key, typ in _REQUIRED.items():
+        if not isinstance(meta.get(key), typ):
+            raise ExportError(f"{where}: metadata key {key!r} is missing or not a {typ.__name__}; {fix}")
+    for key, typ in (("name", str), ("params", dict)):
+        if not isinstance(meta["geometry"].get(key), typ):
+            raise ExportError(f"{where}: metadata geometry.{key} is missing or not a {typ.__name__}; {fix}")
+    if not meta["backbone"].get("name") or not (meta["backbone"].get("weights_sha256")
+                                                or meta["backbone"].get("state_sha256")):
+        raise ExportError(f"{where}: metadata backbone needs a name and a weights checksum; {fix}")
+
+
+def format_of(meta: Dict[str, Any], path: Union[str, Path]):
+    """The registered ``ExportFormat`` an export's metadata names."""
+    from fewclip.adapters import EXPORT_FORMATS
+
+    name = meta.get("format")
+    if name not in EXPORT_FORMATS:
+        raise ExportError(f"{path} is not an export this fewclip reads (format {name!r}; known: "
+                          f"{', '.join(sorted(EXPORT_FORMATS))})")
+    return EXPORT_FORMATS[name]
+
+
+# ---------------------------------------------------------------------------
+# writing
+# ---------------------------------------------------------------------------
 
 
 @dataclass
 class Exported:
     path: Path
     meta: Dict[str, Any]
+    adapter: str = ""
+
+    def summary(self) -> str:
+        """What the export holds, in the words of its format."""
+        return format_of(self.meta, self.path).summary(self.path, self.meta)
 
 
-def export_run(run_dir: Union[str, Path], out: Union[str, Path, None] = None, *, nearest_k: int = 3,
-               merge: bool = False, device: Optional[str] = None, backbone=None) -> Exported:
-    """Export a finished run directory: a CoOp run as a prompt file (default ``RUN_DIR/prompts.safetensors``),
-    a LoRA run as a folder (default ``RUN_DIR/export``, see ``fewclip.lora_export``; ``merge`` adds the
-    merged open_clip weights).
+def _option(fmt, key: str, value: Any) -> Any:
+    """An option of ``fmt``'s writer, converted from the command line's string to the type of its default."""
+    default = fmt.options[key]
+    if not isinstance(value, str) or isinstance(default, str):
+        return value
+    if isinstance(default, bool):
+        if value not in ("true", "false"):
+            raise ExportError(f"{key} must be true or false, got {value!r}")
+        return value == "true"
+    try:
+        return type(default)(value)
+    except ValueError:
+        raise ExportError(f"{key} must be a{'n' if isinstance(default, int) else ''} "
+                          f"{type(default).__name__}, got {value!r}") from None
+
+
+def export_run(run_dir: Union[str, Path], out: Union[str, Path, None] = None, *, device: Optional[str] = None,
+               backbone=None, **options) -> Exported:
+    """Export a finished run directory in its adapter's format (at ``out``, default inside the run directory).
 
     The adapter is rebuilt from ``config.yaml``, the class names of ``split.json``, the templates in
-    ``metrics.json`` and ``adapter.safetensors``; no dataset files are read.
+    ``metrics.json`` and ``adapter.safetensors``; no dataset files are read. ``options`` go to the format's
+    writer (e.g. CoOp: ``nearest=3``; LoRA: ``merge=True``); strings are converted to the option's type.
     """
     from safetensors import safe_open
     from safetensors.torch import load_file
 
-    from fewclip.adapters import build_adapter
+    from fewclip.adapters import ADAPTERS, adapter_info, build_adapter
     from fewclip.datasets import DatasetError, read_split
 
     from .backbones import load_backbone
@@ -275,12 +290,16 @@ def export_run(run_dir: Union[str, Path], out: Union[str, Path, None] = None, *,
     except ConfigError as e:
         raise ExportError(f"cannot read the config of run {run_dir}: {e}") from None
     name = cfg.adapter.name
-    if name not in ("coop", "lora"):
-        raise ExportError(f"run {run_dir} was trained with adapter {name!r}; fewclip export writes CoOp prompts "
-                          f"(learned context vectors) or LoRA weights, and supports adapter=coop and adapter=lora "
-                          f"runs only")
-    if merge and name != "lora":
-        raise ExportError("merge=true applies to LoRA runs (it folds the low-rank updates into the weights)")
+    fmt = adapter_info(name).export
+    if fmt is None:
+        have = ", ".join(f"adapter={n}" for n, i in sorted(ADAPTERS.items()) if i.export is not None)
+        raise ExportError(f"run {run_dir} was trained with adapter {name!r}, which has no export format; "
+                          f"fewclip export supports runs of {have}")
+    unknown = sorted(set(options) - set(fmt.options))
+    if unknown:
+        takes = ", ".join(f"{k}={v}" for k, v in fmt.options.items()) or "no options"
+        raise ExportError(f"option(s) {', '.join(unknown)} do not apply to {name} runs; their export takes {takes}")
+    options = {k: _option(fmt, k, v) for k, v in options.items()}
     for f in ("adapter.safetensors", "split.json", "metrics.json"):
         if not (run_dir / f).is_file():
             raise ExportError(f"run {run_dir} is not finished: it has no {f}")
@@ -292,8 +311,8 @@ def export_run(run_dir: Union[str, Path], out: Union[str, Path, None] = None, *,
     except DatasetError as e:
         raise ExportError(str(e)) from None
     metrics = read_json(run_dir / "metrics.json")
-    templates = metrics.get("templates") or []
-    if name == "lora" and not templates:
+    templates = metrics.get("templates")
+    if not isinstance(templates, list):
         raise ExportError(f"run {run_dir}: metrics.json does not list the prompt templates the run used; "
                           f"re-run it with this version of fewclip")
     if device is not None:
@@ -311,8 +330,7 @@ def export_run(run_dir: Union[str, Path], out: Union[str, Path, None] = None, *,
         raise ExportError(f"run {run_dir} was trained on backbone weights with sha256 {trained_on[:16]}... but "
                           f"{backbone.name!r} now loads {backbone.weights_sha256[:16]}...; what it learned fits the "
                           f"old weights only")
-    with torch.random.fork_rng(devices=[]):  # a random init must not move the caller's RNG
-        adapter = build_adapter(cfg.adapter, backbone, split.classnames, templates)
+    adapter = build_adapter(cfg.adapter, backbone, split.classnames, templates)
     try:
         adapter.load_adapter_state_dict(sd)
     except RuntimeError as e:
@@ -320,117 +338,9 @@ def export_run(run_dir: Union[str, Path], out: Union[str, Path, None] = None, *,
 
     run = {"dir": str(run_dir), "dataset": split.dataset or cfg.data.name, "shots": cfg.shots, "seed": cfg.seed,
            "top1": metrics.get("top1")}
-    if name == "lora":
-        from .lora_export import export_lora
-
-        return export_lora(adapter, out if out is not None else run_dir / "export", merge=merge,
-                           backbone_cfg=cfg.backbone, run=run)
-    out = Path(out) if out is not None else run_dir / "prompts.safetensors"
-    meta = export_prompts(adapter, out, backbone_cfg=cfg.backbone, run=run, nearest_k=nearest_k)
-    return Exported(out, meta)
-
-
-def summary(path: Union[str, Path], meta: Dict[str, Any]) -> str:
-    """A readable account of a prompt file: classes, context and the nearest words of each vector."""
-    p, bb, run = meta["prompt"], meta["backbone"], meta.get("run") or {}
-    names = meta["classnames"]
-    checksum = bb.get("weights_sha256") or bb.get("state_sha256") or ""
-    init = f"init {p['ctx_init']!r}" if p["ctx_init"] else "random init"
-    lines = [
-        f"prompts: {path}",
-        f"  backbone  {bb['name']} [{meta['geometry']['name']}], checksum {checksum[:16]}...",
-        f"  classes   {len(names)}: {', '.join(names)}",
-        f"  context   n_ctx={p['n_ctx']}, {'class-specific (csc)' if p['csc'] else 'unified'}, "
-        f"class token at {p['class_token_position']}, {init}",
-    ]
-    if run.get("top1") is not None:
-        lines.append(f"  run       top-1 {run['top1']:.2f}% on {run.get('dataset')} ({run.get('shots')}-shot, "
-                     f"seed {run.get('seed')})")
-    lines.append(f"  nearest {meta.get('nearest_k', '')} vocabulary tokens of each context vector:")
-    groups = meta.get("nearest_words") or []
-    if not p["csc"]:
-        lines += [f"    ctx {i + 1}: {', '.join(w)}" for i, w in enumerate(groups)]
-    else:
-        for name, group in zip(names, groups):
-            lines.append(f"    {name}: " + "  ".join(f"[{', '.join(w)}]" for w in group))
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------
-# reading
-# ---------------------------------------------------------------------------
-
-
-def read_prompts(path: Union[str, Path]) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
-    """Read and validate a prompt file: (tensors on CPU, metadata). Any problem is an ExportError naming it."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    if path.is_dir():
-        raise ExportError(f"{path} is a folder but not a LoRA export (it has no fewclip.json): give a prompt file or "
-                          f"export folder written by `fewclip export`")
-    if not path.is_file():
-        raise ExportError(f"prompt file not found: {path}")
-    try:
-        with safe_open(str(path), "pt") as f:
-            raw_meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:  # truncated or not safetensors at all
-        raise ExportError(f"prompt file {path} is damaged or not a safetensors file ({e})") from None
-    if METADATA_KEY not in raw_meta:
-        raise ExportError(f"prompt file {path} has no {METADATA_KEY!r} metadata: not a file written by fewclip export")
-    try:
-        meta = json.loads(raw_meta[METADATA_KEY])
-    except ValueError as e:
-        raise ExportError(f"prompt file {path}: its {METADATA_KEY!r} metadata is not valid JSON ({e})") from None
-    if not isinstance(meta, dict):
-        raise ExportError(f"prompt file {path}: its {METADATA_KEY!r} metadata must be a JSON object")
-    if meta.get("format") != FORMAT:
-        raise ExportError(f"prompt file {path} is not a fewclip prompt file (format {meta.get('format')!r}, "
-                          f"expected {FORMAT!r})")
-    version = meta.get("format_version")
-    if version != FORMAT_VERSION:
-        newer = isinstance(version, int) and version > FORMAT_VERSION
-        raise ExportError(f"prompt file {path} has format version {version!r}; this fewclip reads version "
-                          f"{FORMAT_VERSION}" + (" (written by a newer fewclip: upgrade)" if newer else ""))
-    for key, typ in _REQUIRED.items():
-        if not isinstance(meta.get(key), typ):
-            raise ExportError(f"prompt file {path}: metadata key {key!r} is missing or not a {typ.__name__}")
-    for key, typ in (("name", str), ("params", dict)):
-        if not isinstance(meta["geometry"].get(key), typ):
-            raise ExportError(f"prompt file {path}: metadata geometry.{key} is missing or not a {typ.__name__}")
-    for key in ("class_token_position", "n_ctx", "csc", "ctx_init"):
-        if key not in meta["prompt"]:
-            raise ExportError(f"prompt file {path}: metadata prompt.{key} is missing")
-    if not meta["backbone"].get("name") or not (meta["backbone"].get("weights_sha256")
-                                                or meta["backbone"].get("state_sha256")):
-        raise ExportError(f"prompt file {path}: metadata backbone needs a name and a weights checksum")
-    _check_tensors(path, tensors, meta)
-    return tensors, meta
-
-
-def _check_tensors(path: Path, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> None:
-    missing = [k for k in TENSORS if k not in tensors]
-    if missing:
-        raise ExportError(f"prompt file {path} lacks the tensor(s) {missing}; expected {list(TENSORS)}")
-    C, n_ctx, csc = len(meta["classnames"]), meta["prompt"]["n_ctx"], meta["prompt"]["csc"]
-    protos, feats, ctx = tensors["prototypes"], tensors["text_features"], tensors["ctx"]
-    problems = []
-    if protos.dim() != 2 or protos.shape[0] != C:
-        problems.append(f"prototypes has shape {tuple(protos.shape)}, expected [{C}, D] for {C} classes")
-    if feats.shape != protos.shape:
-        problems.append(f"text_features has shape {tuple(feats.shape)}, expected that of prototypes "
-                        f"{tuple(protos.shape)}")
-    want_ctx = f"[{C}, {n_ctx}, W]" if csc else f"[{n_ctx}, W]"
-    if ctx.shape[: ctx.dim() - 1] != ((C, n_ctx) if csc else (n_ctx,)):
-        problems.append(f"ctx has shape {tuple(ctx.shape)}, expected {want_ctx} "
-                        f"(n_ctx={n_ctx}, {'csc' if csc else 'unified'})")
-    for k in TENSORS:
-        t = tensors[k]
-        if not t.is_floating_point() or not torch.isfinite(t).all():
-            problems.append(f"{k} holds non-finite or non-float values")
-    if problems:
-        raise ExportError(f"prompt file {path} is damaged: " + "; ".join(problems))
+    out = Path(out) if out is not None else run_dir / fmt.default_path
+    meta = fmt.write(adapter, out, export_metadata(adapter, fmt, backbone_cfg=cfg.backbone, run=run), **options)
+    return Exported(out, meta, name)
 
 
 # ---------------------------------------------------------------------------
@@ -458,34 +368,31 @@ def load_image(path: Union[str, Path]):
         raise ExportError(f"cannot read image {path}: {e}") from None
 
 
-class PromptClassifier:
-    """Images -> class logits with exported prompts on a frozen backbone.
+class Classifier:
+    """Images -> class logits on a backbone: what ``load_prompts`` returns for every export format.
 
-    ``prototypes`` [C, D] are compared with the embedded image features by the
-    file's geometry (built from its stored parameters).
+    A format's loader returns a subclass implementing ``logits_from_features`` (raw image-tower features
+    [B, D] -> logits [B, C]) and, where its classes can change, ``with_classnames``. ``geometry`` is built
+    from the export's stored parameters. Preprocessing, batching, probabilities and ``predict`` are shared.
     """
 
-    def __init__(self, backbone, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any], path: Optional[Path] = None):
+    def __init__(self, backbone, meta: Dict[str, Any], path: Optional[Path] = None,
+                 classnames: Optional[Sequence[str]] = None):
         from .geometry import make_geometry
 
         self.backbone = backbone
         self.meta = meta
         self.path = path
-        self.classnames: List[str] = list(meta["classnames"])
-        device = backbone.device
+        self.classnames: List[str] = list(classnames if classnames is not None else meta["classnames"])
         g = meta["geometry"]
         try:
-            self.geometry = make_geometry(g["name"], **g["params"]).to(device)
+            self.geometry = make_geometry(g["name"], **g["params"]).to(backbone.device)
         except (ValueError, TypeError) as e:
-            raise ExportError(f"prompt file {path}: bad geometry {g}: {e}") from None
-        self.ctx = tensors["ctx"].to(device)
-        self.prototypes = tensors["prototypes"].to(device)  # C, D
-        self.text_features = tensors["text_features"].to(device)  # C, D
+            raise ExportError(f"export {path}: bad geometry {g}: {e}") from None
 
     def __repr__(self) -> str:
-        p = self.meta["prompt"]
-        return (f"PromptClassifier({len(self.classnames)} classes, {self.backbone.name} [{self.geometry.name}], "
-                f"n_ctx={p['n_ctx']}, {'csc' if p['csc'] else 'unified'})")
+        return (f"{type(self).__name__}({len(self.classnames)} classes, {self.backbone.name} [{self.geometry.name}], "
+                f"{self.meta.get('format')})")
 
     # -- images -> logits --------------------------------------------------
     def pixels(self, images: ImageInput) -> torch.Tensor:
@@ -500,11 +407,9 @@ class PromptClassifier:
         out = [tf(load_image(im) if isinstance(im, (str, Path)) else to_rgb(im)) for im in images]
         return torch.stack(out) if out else torch.empty(0, 3, self.backbone.image_size, self.backbone.image_size)
 
-    @torch.no_grad()
     def logits_from_features(self, raw: torch.Tensor) -> torch.Tensor:
         """Raw image-tower features [B, D] -> logits [B, C]."""
-        g = self.geometry
-        return g.logits(g.embed_image(raw.to(self.prototypes.device).float()), self.prototypes)
+        raise NotImplementedError
 
     @torch.no_grad()
     def logits(self, images: ImageInput, batch_size: int = 256) -> torch.Tensor:
@@ -512,7 +417,7 @@ class PromptClassifier:
         px = self.pixels(images)
         outs = [self.logits_from_features(self.backbone.encode_images(px[i : i + batch_size]))
                 for i in range(0, len(px), batch_size)]
-        return torch.cat(outs) if outs else torch.empty(0, len(self.classnames), device=self.prototypes.device)
+        return torch.cat(outs) if outs else torch.empty(0, len(self.classnames), device=self.backbone.device)
 
     def probabilities(self, images: ImageInput) -> torch.Tensor:
         """Softmax over the classes [B, C], for every geometry (see the module docstring)."""
@@ -527,90 +432,44 @@ class PromptClassifier:
         return [[(self.classnames[int(i)], float(v)) for v, i in zip(vals, idx)]
                 for vals, idx in zip(top.values, top.indices)]
 
-    # -- new class names ---------------------------------------------------
-    def with_classnames(self, classnames: Sequence[str]) -> "PromptClassifier":
-        """A classifier for other class names with the learned context.
+    def with_classnames(self, classnames: Sequence[str]) -> "Classifier":
+        """A classifier for other class names, where the export allows it."""
+        raise ExportError(f"a {self.meta.get('format')} export classifies its own classes only")
 
-        A unified context is put in front of (or around) each new name, as in
-        training, and the text tower turns the prompts into new prototypes. A
-        class-specific context has a vector only for the trained classes: it
-        serves a subset or reordering of them, and refuses unseen names.
-        """
-        from fewclip.datasets import check_classnames
 
-        names = check_classnames(classnames, "with_classnames")
-        p = self.meta["prompt"]
-        if p["csc"]:
-            unseen = [n for n in names if n not in self.classnames]
-            if unseen:
-                raise ExportError(
-                    f"cannot classify unseen class(es) {unseen}: this prompt file has a class-specific context "
-                    f"(csc=true), one learned context per trained class and none for a new name. Export a "
-                    f"unified-context run (adapter.csc=false) to use the prompts with new class names")
-            rows = [self.classnames.index(n) for n in names]
-            idx = torch.tensor(rows, device=self.ctx.device)
-            tensors = {"ctx": self.ctx[idx], "prototypes": self.prototypes[idx],
-                       "text_features": self.text_features[idx]}
-            words = [self.meta["nearest_words"][i] for i in rows]
-            return PromptClassifier(self.backbone, tensors, {**self.meta, "classnames": names, "nearest_words": words},
-                                    self.path)
-        spec = json.dumps(self.meta.get("tokenizer"), sort_keys=True)
-        if spec != json.dumps(json.loads(json.dumps(self.backbone.tokenizer_spec)), sort_keys=True):
-            raise ExportError(f"prompt file {self.path} was exported with another tokenizer than backbone "
-                              f"{self.backbone.name!r} has; new class names would be tokenised differently")
-        tensors = {"ctx": self.ctx, **self._prompt_features(names)}
-        return PromptClassifier(self.backbone, tensors, {**self.meta, "classnames": names}, self.path)
+class PrototypeClassifier(Classifier):
+    """One point per class in the geometry (``prototypes`` [C, D]), compared with the embedded image features."""
+
+    def __init__(self, backbone, meta: Dict[str, Any], prototypes: torch.Tensor, path: Optional[Path] = None,
+                 classnames: Optional[Sequence[str]] = None):
+        super().__init__(backbone, meta, path, classnames)
+        self.prototypes = prototypes.to(backbone.device)  # C, D
 
     @torch.no_grad()
-    def _prompt_features(self, names: List[str]) -> Dict[str, torch.Tensor]:
-        from fewclip.adapters.coop import CoOp, CoOpConfig
+    def logits_from_features(self, raw: torch.Tensor) -> torch.Tensor:
+        """Raw image-tower features [B, D] -> logits [B, C]."""
+        return self.geometry.image_logits(raw, self.prototypes)
 
-        p = self.meta["prompt"]
-        cfg = CoOpConfig(n_ctx=p["n_ctx"], ctx_init=p["ctx_init"], csc=False,
-                         class_token_position=p["class_token_position"])
-        with torch.random.fork_rng(devices=[]):
-            adapter = CoOp(cfg, self.backbone, names).to(self.backbone.device)
-        if tuple(adapter.ctx.shape) != tuple(self.ctx.shape):
-            raise ExportError(f"prompt file {self.path}: ctx has shape {tuple(self.ctx.shape)} but CoOp on "
-                              f"{self.backbone.name!r} expects {tuple(adapter.ctx.shape)}")
-        adapter.ctx.copy_(self.ctx.to(adapter.ctx.dtype))
-        g = self.geometry
-        feats = adapter.text_features().float()  # C, D
-        return {"text_features": feats, "prototypes": g.prototype(g.embed_text(feats).unsqueeze(1))}
+
+# ---------------------------------------------------------------------------
+# loading
+# ---------------------------------------------------------------------------
 
 
 def load_prompts(path: Union[str, Path], device: str = "auto", *, backbone=None,
-                 backbone_overrides: Optional[Dict[str, Any]] = None) -> PromptClassifier:
-    """Load a prompt file and the backbone it names; refuse a backbone with other weights.
+                 backbone_overrides: Optional[Dict[str, Any]] = None) -> Classifier:
+    """Load what ``fewclip export`` wrote, in any registered format, with the backbone it names; refuse a
+    backbone with other weights.
 
-    ``backbone`` reuses an already loaded backbone (still checked);
+    ``backbone`` reuses an already loaded backbone (still checked, never changed);
     ``backbone_overrides`` changes fields of the stored backbone config, e.g.
     ``{"name": "path/to/card.yaml"}`` when the card has moved.
     """
-    from .lora_export import is_lora_export, load_lora_export
-
     path = Path(path)
-    if is_lora_export(path):
-        return load_lora_export(path, device, backbone=backbone, backbone_overrides=backbone_overrides)
-    tensors, meta = read_prompts(path)
+    meta = read_metadata(path)
+    fmt = format_of(meta, path)
+    check_metadata(meta, path, fmt)
     if backbone is None:
-        backbone = backbone_from_metadata(meta, f"prompt file {path}", device, backbone_overrides)
+        backbone = backbone_from_metadata(meta, path, device, backbone_overrides)
     check_backbone(meta, backbone, path)
-    check_widths(tensors, backbone, path)
-    return PromptClassifier(backbone, tensors, meta, path)
-
-
-@torch.no_grad()
-def check_widths(tensors: Dict[str, torch.Tensor], backbone, path) -> None:
-    """Refuse tensors whose widths do not fit the backbone: ``ctx`` [..., W] against its token embeddings,
-    ``prototypes`` [C, D] against its embedded text features."""
-    from fewclip.adapters._text import TextTower
-
-    width = TextTower(backbone.model, backbone.tokenizer).width
-    raw = backbone.encode_text(["a"])  # 1, D
-    want = {"ctx": width, "text_features": raw.shape[-1], "prototypes": backbone.geometry.embed_text(raw).shape[-1]}
-    problems = [f"{k} has width {tensors[k].shape[-1]} but {backbone.name!r} needs {w}" for k, w in want.items()
-                if tensors[k].shape[-1] != w]
-    if problems:
-        raise ExportError(f"prompt file {path} does not fit its backbone: " + "; ".join(problems) +
-                          ". The file is damaged or was edited; export the run again")
+    return fmt.load(path, meta, backbone)

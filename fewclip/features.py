@@ -1,32 +1,138 @@
-"""Image features and class prototypes from a frozen backbone."""
+"""Image features and class prototypes from a frozen backbone.
+
+Images become pixels through the backbone's own preprocessing or through an
+augmented *view*: RandomResizedCrop (+ horizontal flip where the dataset
+allows it) drawn from a ``torch.Generator`` seeded by (run seed, view index,
+image id), so view k of an image is the same pixels whoever asks for it and in
+whatever order (and never touches torch's global RNG). ``FeatureCache`` keeps
+the frozen tower's output per image and view, for the runs of a sweep to share.
+"""
 from __future__ import annotations
 
 import logging
-from typing import Callable, List, Optional, Sequence, Tuple
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset as TorchDataset
+from torchvision.transforms import InterpolationMode
+from torchvision.transforms import functional as TF
 from tqdm.auto import tqdm
+
+from fewclip.datasets.fewshot import derive_seed
 
 from .backbones import Backbone
 
 log = logging.getLogger(__name__)
 
 
-class ImageItems(TorchDataset):
-    """Items of a fewclip dataset as (pixels, label) pairs through a transform."""
+class Features(NamedTuple):
+    """Raw image-tower outputs and labels of some images (unpacks as ``x, y``)."""
 
-    def __init__(self, dataset, items: Sequence, transform: Callable):
+    x: torch.Tensor  # [N, D] float32, CPU
+    y: torch.Tensor  # [N] long
+
+    @staticmethod
+    def empty(dim: int) -> "Features":
+        return Features(torch.empty(0, dim), torch.empty(0, dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------
+# augmented views
+# ---------------------------------------------------------------------------
+
+
+def crop_box(height: int, width: int, scale: Tuple[float, float], ratio: Tuple[float, float],
+             generator: torch.Generator) -> Tuple[int, int, int, int]:
+    """RandomResizedCrop's box (top, left, h, w) for an image of ``height`` x ``width``, drawn from ``generator``.
+
+    torchvision's ``RandomResizedCrop.get_params`` with the same draws in the same order (ten tries of an
+    area fraction in ``scale`` and a log-uniform aspect ratio in ``ratio``, then a central crop), but from
+    a generator instead of torch's global RNG."""
+    area = height * width
+    lo, hi = (float(v) for v in torch.log(torch.tensor(ratio)))
+    for _ in range(10):
+        target_area = area * torch.empty(1).uniform_(scale[0], scale[1], generator=generator).item()
+        aspect = torch.exp(torch.empty(1).uniform_(lo, hi, generator=generator)).item()
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(torch.randint(0, height - h + 1, size=(1,), generator=generator).item())
+            left = int(torch.randint(0, width - w + 1, size=(1,), generator=generator).item())
+            return top, left, h, w
+    in_ratio = float(width) / float(height)  # fall back to a central crop
+    if in_ratio < min(ratio):
+        w, h = width, int(round(width / min(ratio)))
+    elif in_ratio > max(ratio):
+        h, w = height, int(round(height * max(ratio)))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
+
+
+@dataclass(frozen=True)
+class Augment:
+    """CoOp's training augmentation from a generator: RandomResizedCrop to the backbone's size (bicubic, area
+    fraction in [scale_min, 1], aspect ratio in [3/4, 4/3]), a horizontal flip with probability 1/2 where
+    ``hflip``, then the backbone's normalisation."""
+
+    size: int
+    mean: Tuple[float, ...]
+    std: Tuple[float, ...]
+    scale_min: float = 0.08
+    hflip: bool = True
+
+    @classmethod
+    def for_run(cls, backbone: Backbone, dataset, scale_min: Optional[float] = None) -> "Augment":
+        """The augmentation of ``dataset`` on ``backbone``; ``scale_min`` None = the dataset's recommendation."""
+        scale_min = scale_min if scale_min is not None else getattr(dataset, "min_crop_scale", 0.08)
+        return cls(int(backbone.image_size), tuple(backbone.mean), tuple(backbone.std), float(scale_min),
+                   bool(getattr(dataset, "hflip_ok", True)))
+
+    def __call__(self, image, generator: torch.Generator) -> torch.Tensor:  # PIL image -> [3, size, size]
+        top, left, h, w = crop_box(image.height, image.width, (self.scale_min, 1.0), (3 / 4, 4 / 3), generator)
+        image = TF.resized_crop(image, top, left, h, w, [self.size, self.size],
+                                interpolation=InterpolationMode.BICUBIC, antialias=True)
+        if self.hflip and torch.rand(1, generator=generator).item() < 0.5:
+            image = TF.hflip(image)
+        return TF.normalize(TF.to_tensor(image.convert("RGB")), list(self.mean), list(self.std))
+
+
+@dataclass(frozen=True)
+class View:
+    """View ``index`` of the training images of run ``seed``: image ``item`` gets the crop and flip drawn from
+    a generator seeded by (seed, index, item id)."""
+
+    augment: Augment
+    seed: int
+    index: int
+
+    def generator(self, item) -> torch.Generator:
+        return torch.Generator().manual_seed(derive_seed(self.seed, f"view/{self.index}/{item.id}"))
+
+    def __call__(self, image, item) -> torch.Tensor:
+        return self.augment(image, self.generator(item))
+
+
+class ImageItems(TorchDataset):
+    """Items of a fewclip dataset as (pixels, label) pairs: through ``transform``, or as the augmented ``view``."""
+
+    def __init__(self, dataset, items: Sequence, transform: Optional[Callable] = None, view: Optional[View] = None):
+        if (transform is None) == (view is None):
+            raise ValueError("ImageItems takes a transform or a view, not both or neither")
         self.dataset = dataset
         self.items = list(items)
         self.transform = transform
+        self.view = view
 
     def __len__(self) -> int:
         return len(self.items)
 
     def __getitem__(self, i: int):
         item = self.items[i]
-        return self.transform(self.dataset.load_image(item)), item.label
+        image = self.dataset.load_image(item)
+        return (self.view(image, item) if self.view is not None else self.transform(image)), item.label
 
 
 def progress(iterable=None, **kwargs):
@@ -44,25 +150,59 @@ def extract_features(
     items: Sequence,
     *,
     transform: Optional[Callable] = None,
+    view: Optional[View] = None,
     batch_size: int = 256,
     workers: int = 0,
     desc: str = "features",
     encode: Optional[Callable] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Raw image-tower outputs [N, D] (float32, on CPU) and labels [N] for ``items``;
-    ``encode`` replaces ``backbone.encode_images`` (an adapter's adapted image tower)."""
+) -> Features:
+    """Raw image-tower outputs [N, D] (float32, on CPU) and labels [N] for ``items``: preprocessed by
+    ``transform`` (default: the backbone's), or as the augmented ``view``. ``encode`` replaces
+    ``backbone.encode_images`` (an adapter's adapted image tower)."""
     encode = encode or backbone.encode_images
-    transform = transform or backbone.preprocess()
-    loader = DataLoader(ImageItems(dataset, items, transform), batch_size=batch_size, shuffle=False,
-                        num_workers=workers)
+    if view is None:
+        transform = transform or backbone.preprocess()
+    # A generator of its own: the loader draws a base seed for its workers, and must not take it from the
+    # global RNG (the images are fixed by the transform or the view's own generators anyway).
+    loader = DataLoader(ImageItems(dataset, items, transform, view), batch_size=batch_size, shuffle=False,
+                        num_workers=workers, generator=torch.Generator())
     feats: List[torch.Tensor] = []
     labels: List[torch.Tensor] = []
     for pixels, y in progress(loader, desc=desc, unit="batch", leave=False):
         feats.append(encode(pixels).float().cpu())
         labels.append(y)
     if not feats:
-        return torch.empty(0), torch.empty(0, dtype=torch.long)
-    return torch.cat(feats), torch.cat(labels)
+        return Features(torch.empty(0), torch.empty(0, dtype=torch.long))
+    return Features(torch.cat(feats), torch.cat(labels))
+
+
+class FeatureCache:
+    """Raw frozen-tower features kept in memory across the runs of a sweep: one row per (image, view).
+
+    Keyed by the backbone's identity (name, weights checksum, variant), the dataset object and the view
+    (``None``: the backbone's own preprocessing; or an augmented ``View``). A request encodes only the
+    images not cached yet, so in a sweep the test images are encoded once per backbone and dataset, and a
+    run's training views once per (seed, view) whichever method asks for them. The cache holds a reference
+    to each dataset it has features of, so a key is never reused by another dataset object.
+    """
+
+    def __init__(self):
+        self._store: Dict[Tuple, Tuple[object, Dict[str, torch.Tensor]]] = {}
+
+    def features(self, backbone: Backbone, dataset, items: Sequence, *, view: Optional[View] = None,
+                 batch_size: int = 256, workers: int = 0, desc: str = "features") -> Tuple[Features, int]:
+        """Features of ``items`` (in their order) and how many of the images had to be encoded now."""
+        key = (backbone.name, backbone.weights_sha256, backbone.variant, dataset.name, id(dataset), view)
+        _, rows = self._store.setdefault(key, (dataset, {}))
+        missing = list({it.id: it for it in items if it.id not in rows}.values())
+        if missing:
+            x, _ = extract_features(backbone, dataset, missing, view=view, batch_size=batch_size, workers=workers,
+                                    desc=desc)
+            rows.update(zip((it.id for it in missing), x))
+        if not items:
+            return Features(torch.empty(0), torch.empty(0, dtype=torch.long)), 0
+        x = torch.stack([rows[it.id] for it in items])
+        return Features(x, torch.tensor([it.label for it in items], dtype=torch.long)), len(missing)
 
 
 @torch.no_grad()

@@ -8,7 +8,14 @@ A geometry answers three questions for a dual-encoder model:
    prototype (``prototype``),
 3. how image points and prototypes turn into similarities and logits
    (``similarity``, ``logits``), with a logit scale and, for the sigmoid
-   geometry, a bias.
+   geometry, a bias;
+
+and owns its *linear space*, where linear models and averages live
+(``to_linear``, ``from_linear``): R^D itself for the Euclidean geometries,
+the ambient R^D of the sphere for the spherical ones (``from_linear``
+normalises), the tangent space at the origin for the hyperboloid (log and exp
+maps). ``image_logits`` is the one "embed the image features, then compare
+with the class points" every classifier uses.
 
 The math is written twice on purpose: as pure tensor functions that a test can
 call with a few numbers, and as one small ``nn.Module`` per geometry that owns
@@ -276,6 +283,21 @@ class Geometry(nn.Module):
         """``scale * similarity``: [B, D] x [C, D] -> [B, C]."""
         return self.scale * self.similarity(img, proto)
 
+    def image_logits(self, raw: Tensor, proto: Tensor) -> Tensor:
+        """Raw image-tower features [B, D] against class points [C, D] -> logits [B, C]: embed, then compare."""
+        return self.logits(self.embed_image(raw.to(proto.device)), proto)
+
+    def to_linear(self, points: Tensor) -> Tensor:
+        """Points of this geometry [..., D] -> coordinates in its linear space [..., D] (see the module doc)."""
+        with torch.autocast(points.device.type, enabled=False):
+            return self._to_linear(_upcast(points))
+
+    def from_linear(self, v: Tensor) -> Tensor:
+        """Vectors of the linear space [..., D] -> points of this geometry [..., D]; inverse of ``to_linear``
+        on the points (for the sphere, a projection of any other vector)."""
+        with torch.autocast(v.device.type, enabled=False):
+            return self._from_linear(_upcast(v))
+
     def contrastive_loss(self, img_emb: Tensor, txt_emb: Tensor) -> Tensor:
         """Symmetric InfoNCE over a batch of matched pairs: [B, D] x [B, D] -> scalar.
 
@@ -300,6 +322,12 @@ class Geometry(nn.Module):
     def _similarity(self, img: Tensor, proto: Tensor) -> Tensor:
         raise NotImplementedError
 
+    def _to_linear(self, points: Tensor) -> Tensor:
+        raise NotImplementedError(f"geometry {self.name!r} does not define its linear space (_to_linear, _from_linear)")
+
+    def _from_linear(self, v: Tensor) -> Tensor:
+        raise NotImplementedError(f"geometry {self.name!r} does not define its linear space (_to_linear, _from_linear)")
+
 
 class _Spherical(Geometry):
     """Points on the unit sphere; prototypes are the renormalised mean direction."""
@@ -309,6 +337,12 @@ class _Spherical(Geometry):
 
     def _prototype(self, emb: Tensor) -> Tensor:
         return l2_normalize(l2_normalize(emb).mean(dim=1))  # [C, T, D] -> [C, D]
+
+    def _to_linear(self, points: Tensor) -> Tensor:
+        return points  # unit vectors are their own coordinates in the ambient R^D
+
+    def _from_linear(self, v: Tensor) -> Tensor:
+        return l2_normalize(v)  # the direction of v: projection onto the sphere
 
 
 @register_geometry
@@ -387,6 +421,12 @@ class EuclideanGeometry(Geometry):
     def _prototype(self, emb: Tensor) -> Tensor:
         return emb.mean(dim=1)  # [C, T, D] -> [C, D]
 
+    def _to_linear(self, points: Tensor) -> Tensor:
+        return points  # R^D is a vector space already
+
+    def _from_linear(self, v: Tensor) -> Tensor:
+        return v
+
     def _similarity(self, img: Tensor, proto: Tensor) -> Tensor:
         return -euclidean_distance(img, proto, squared=self.squared)
 
@@ -459,6 +499,13 @@ class HyperbolicGeometry(Geometry):
     def _prototype(self, emb: Tensor) -> Tensor:
         c = self.curvature
         return exp_map0(log_map0(emb, c).mean(dim=1), c, clamp=self.exp_map_clamp)  # [C, T, D] -> [C, D]
+
+    def _to_linear(self, points: Tensor) -> Tensor:
+        # The hyperboloid is not a vector space; the tangent space at the origin is, and templates average there.
+        return log_map0(points, self.curvature)
+
+    def _from_linear(self, v: Tensor) -> Tensor:
+        return exp_map0(v, self.curvature)
 
     def _similarity(self, img: Tensor, proto: Tensor) -> Tensor:
         dist = lorentz_distance(img, proto, self.curvature)

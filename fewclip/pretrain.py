@@ -147,6 +147,7 @@ def _param_groups(model: nn.Module, geometry: Geometry, weight_decay: float) -> 
 def pretrain(cfg: PretrainConfig):
     """Train one reference backbone. Returns (model, geometry, tokenizer, model_cfg, history)."""
     from .backbones import build_open_clip_model, resolve_device
+    from .rng import forked_global_rng
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -157,8 +158,8 @@ def pretrain(cfg: PretrainConfig):
     recipe = RECIPES[cfg.recipe]
     tokenizer = toy_tokenizer(cfg.context_length)
     mcfg = model_config(cfg, tokenizer.vocab_size)
-    torch.manual_seed(cfg.seed)
-    model = build_open_clip_model(mcfg)
+    with forked_global_rng(cfg.seed):  # open_clip initialises weights from torch's global RNG
+        model = build_open_clip_model(mcfg)
     if not recipe["final_ln"]:
         remove_final_ln(model)
     # The geometry owns the logit scale (and bias); the model's own copies are

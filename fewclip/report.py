@@ -34,6 +34,14 @@ Conventions (also stated in ``report.md``):
   more datasets (a hollow marker is an average over only some datasets).
   With several backbones, ``accuracy_vs_shots_<backbone>.png`` is also
   written for each of them, and ``report.md`` links those.
+* Cost (runs whose ``metrics.json`` records it, ``fewclip.cost``): per
+  backbone, a table of (method, shots) with the mean over that backbone's runs
+  (every dataset and seed) of trainable parameters, training time, wall time,
+  images encoded and peak memory (the CUDA allocator's peak for runs on a GPU,
+  the process's peak resident memory otherwise), beside the average top-1 of
+  the accuracy table; ``cost_vs_accuracy.png`` (and
+  ``cost_vs_accuracy_<backbone>.png`` with several backbones) plots that top-1
+  against training time and against images encoded.
 
 A malformed ``metrics.json`` is skipped with a warning naming it, and so is one whose finished-run
 record (``fewclip.records``) no longer matches its files; of several
@@ -62,6 +70,15 @@ ZEROSHOT = "zeroshot"
 AVERAGE = "average"
 METRICS_FILE = "metrics.json"
 FIGURE_FILE = "accuracy_vs_shots.png"
+COST_FIGURE_FILE = "cost_vs_accuracy.png"
+# Cost columns: metrics.json key -> header.
+COST_COLUMNS = {
+    "trainable_parameters": "Trainable params",
+    "train_time_s": "Train time (s)",
+    "wall_time_s": "Wall time (s)",
+    "images_encoded": "Images encoded",
+    "peak_memory_mib": "Peak memory (MiB)",
+}
 CSV_COLUMNS = (
     "backbone", "dataset", "method", "shots", "mean", "std", "ci95", "n",
     "delta_zeroshot", "seeds", "datasets",
@@ -120,6 +137,13 @@ class RunResult:
     seed: int
     top1: float
     path: Path
+    # Cost (None where metrics.json does not record it); peak_memory_mib is the CUDA peak on a GPU, else RSS.
+    trainable_parameters: float | None = None
+    train_time_s: float | None = None
+    wall_time_s: float | None = None
+    images_encoded: float | None = None
+    peak_memory_mib: float | None = None
+    memory: str | None = None  # "cuda" or "rss"
 
 
 @dataclass(frozen=True)
@@ -155,6 +179,23 @@ class CellStats:
         return self.dataset == AVERAGE
 
 
+@dataclass(frozen=True)
+class CostStats:
+    """What one (backbone, method, shots) costs: means over its runs (every dataset and seed) that record it."""
+
+    backbone: str
+    method: str
+    shots: int
+    n: int
+    trainable_parameters: float | None
+    train_time_s: float | None
+    wall_time_s: float | None
+    images_encoded: float | None
+    peak_memory_mib: float | None
+    memory: str  # "rss", "cuda" or "rss+cuda"
+    top1: float | None  # the accuracy table's average over datasets (or its one dataset)
+
+
 @dataclass
 class Report:
     run_root: Path
@@ -163,6 +204,7 @@ class Report:
     skipped: list[SkippedFile]
     markdown: str
     paths: dict[str, Path] = field(default_factory=dict)
+    costs: list[CostStats] = field(default_factory=list)
 
     @property
     def backbones(self) -> list[str]:
@@ -196,9 +238,19 @@ def _require(obj: dict, key: str, kind: str) -> Any:
     return float(value)
 
 
+def _cost(obj: dict, key: str) -> float | None:
+    """An optional cost number; missing or not a finite non-negative number: None."""
+    value = obj.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return None
+    return float(value)
+
+
 def _parse_metrics(obj: Any, path: Path) -> RunResult:
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    cuda = _cost(obj, "peak_cuda_mib")
+    rss = _cost(obj, "peak_rss_mib")
     run = RunResult(
         method=_require(obj, "method", "str"),
         dataset=_require(obj, "dataset", "str"),
@@ -207,6 +259,12 @@ def _parse_metrics(obj: Any, path: Path) -> RunResult:
         seed=_require(obj, "seed", "int"),
         top1=_require(obj, "top1", "float"),
         path=path,
+        trainable_parameters=_cost(obj, "trainable_parameters"),
+        train_time_s=_cost(obj, "train_time_s"),
+        wall_time_s=_cost(obj, "wall_time_s"),
+        images_encoded=_cost(obj, "images_encoded"),
+        peak_memory_mib=cuda if cuda is not None else rss,
+        memory="cuda" if cuda is not None else ("rss" if rss is not None else None),
     )
     if run.dataset == AVERAGE:
         raise ValueError(f"'dataset' may not be {AVERAGE!r} (reserved for the average row)")
@@ -313,6 +371,33 @@ def aggregate(runs: Iterable[RunResult]) -> list[CellStats]:
     return sorted(cells, key=_cell_key)
 
 
+def cost_stats(runs: Iterable[RunResult], cells: Sequence[CellStats]) -> list[CostStats]:
+    """Per (backbone, method, shots), the mean cost of the runs that record one (module docstring)."""
+    groups: dict[tuple[str, str, int], list[RunResult]] = {}
+    for r in runs:
+        if r.wall_time_s is not None:
+            groups.setdefault((r.backbone, r.method, r.shots), []).append(r)
+    average = {(c.backbone, c.method, c.shots): c.mean for c in cells if c.is_average}
+    single = {}
+    for c in cells:
+        if not c.is_average:
+            single.setdefault((c.backbone, c.method, c.shots), []).append(c.mean)
+
+    def mean(rs: list[RunResult], key: str) -> float | None:
+        values = [getattr(r, key) for r in rs if getattr(r, key) is not None]
+        return statistics.fmean(values) if values else None
+
+    out = []
+    for (bb, method, shots), rs in groups.items():
+        kinds = sorted({r.memory for r in rs if r.memory})
+        top1 = average.get((bb, method, shots))
+        if top1 is None and len(single.get((bb, method, shots), [])) == 1:
+            top1 = single[(bb, method, shots)][0]
+        out.append(CostStats(bb, method, shots, len(rs), *(mean(rs, k) for k in COST_COLUMNS), "+".join(kinds),
+                             top1))
+    return sorted(out, key=lambda c: (c.backbone, _method_key(c.method), c.shots))
+
+
 # ----------------------------------------------------------------------------
 # Markdown
 
@@ -341,13 +426,13 @@ def _fmt_cell(c: CellStats, n_datasets: int, best: bool) -> str:
     return f"{text} ({c.n})"
 
 
-def figure_names(backbones: Sequence[str]) -> dict[str, str]:
+def figure_names(backbones: Sequence[str], main: str = FIGURE_FILE) -> dict[str, str]:
     """backbone -> figure file name (the first backbone gets the main name too)."""
     if len(backbones) == 1:
-        return {backbones[0]: FIGURE_FILE}
+        return {backbones[0]: main}
     names: dict[str, str] = {}
     for bb in backbones:
-        stem = f"accuracy_vs_shots_{re.sub(r'[^A-Za-z0-9._-]+', '_', bb)}"
+        stem = f"{Path(main).stem}_{re.sub(r'[^A-Za-z0-9._-]+', '_', bb)}"
         name, k = f"{stem}.png", 2
         while name in names.values():  # "a/b" and "a_b" must not share a file
             name, k = f"{stem}_{k}.png", k + 1
@@ -409,10 +494,41 @@ def _backbone_markdown(bb: str, cells: list[CellStats], figure: str) -> list[str
     return out
 
 
+def _fmt_cost(key: str, value: float | None) -> str:
+    if value is None:
+        return "–"
+    if key in ("trainable_parameters", "images_encoded", "peak_memory_mib") or value >= 100:
+        return f"{value:,.0f}"
+    return f"{value:.2f}"
+
+
+def _cost_markdown(bb: str, costs: list[CostStats], figure: str) -> list[str]:
+    headers = ["Method", "Shots", *COST_COLUMNS.values(), "Top-1 (%)", "Runs"]
+    rows = [[c.method, str(c.shots), *(_fmt_cost(k, getattr(c, k)) for k in COST_COLUMNS),
+             "–" if c.top1 is None else f"{c.top1:.2f}", str(c.n)] for c in costs]
+    memory = {k for c in costs for k in c.memory.split("+") if k}
+    where = {"rss": "the process's peak resident memory on the CPU", "cuda": "the CUDA allocator's peak"}
+    return [
+        f"### Cost, `{bb}` (mean per run over datasets and seeds)",
+        "",
+        *_md_table(headers, rows),
+        "",
+        "Training time is the loop or fit alone; wall time the whole run (its split to its test accuracy). "
+        "Images encoded counts every image the run passed through an image tower, test images and cached views "
+        "included: features shared between the runs of a sweep are charged in full to every run that uses them. "
+        f"Peak memory: {' and '.join(where[k] for k in sorted(memory)) or 'not recorded'}"
+        + (" (it includes the backbone and, in a sweep, the shared feature cache)." if "rss" in memory else "."),
+        "",
+        f"![cost vs. accuracy, {bb}]({figure})",
+        "",
+    ]
+
+
 def render_markdown(run_root: Path, runs: list[RunResult], cells: list[CellStats],
-                    skipped: list[SkippedFile]) -> str:
+                    skipped: list[SkippedFile], costs: Sequence[CostStats] = ()) -> str:
     backbones = sorted({c.backbone for c in cells})
     figures = figure_names(backbones)
+    cost_figures = figure_names(sorted({c.backbone for c in costs}), COST_FIGURE_FILE) if costs else {}
     out = [
         "# fewclip report",
         "",
@@ -427,6 +543,8 @@ def render_markdown(run_root: Path, runs: list[RunResult], cells: list[CellStats
     ]
     for bb in backbones:
         out += _backbone_markdown(bb, [c for c in cells if c.backbone == bb], figures[bb])
+        if bb in cost_figures:
+            out += _cost_markdown(bb, [c for c in costs if c.backbone == bb], cost_figures[bb])
     if skipped:
         out += ["## Skipped files", ""]
         for s in skipped:
@@ -462,8 +580,9 @@ def render_csv(cells: Sequence[CellStats]) -> str:
 
 
 def to_json(report_root: Path, runs: list[RunResult], cells: Sequence[CellStats],
-            skipped: Sequence[SkippedFile]) -> dict:
-    """``backbones[bb]["results"][dataset or "average"][method][str(shots)]`` -> stats."""
+            skipped: Sequence[SkippedFile], costs: Sequence[CostStats] = ()) -> dict:
+    """``backbones[bb]["results"][dataset or "average"][method][str(shots)]`` -> stats;
+    ``backbones[bb]["cost"][method][str(shots)]`` -> mean cost per run."""
     backbones: dict[str, Any] = {}
     for c in cells:
         bb = backbones.setdefault(c.backbone, {"datasets": [], "results": {}})
@@ -476,6 +595,11 @@ def to_json(report_root: Path, runs: list[RunResult], cells: Sequence[CellStats]
         else:
             entry.update(seeds=list(c.seeds), values=list(c.values))
         bb["results"].setdefault(c.dataset, {}).setdefault(c.method, {})[str(c.shots)] = entry
+    for c in costs:
+        bb = backbones.setdefault(c.backbone, {"datasets": [], "results": {}})
+        bb.setdefault("cost", {}).setdefault(c.method, {})[str(c.shots)] = {
+            **{k: _num(getattr(c, k)) for k in COST_COLUMNS}, "memory": c.memory, "runs": c.n,
+            "top1": _num(c.top1)}
     return {
         "run_root": str(report_root),
         "n_runs": len(runs),
@@ -484,6 +608,9 @@ def to_json(report_root: Path, runs: list[RunResult], cells: Sequence[CellStats]
             "ci95": "t(0.975, n-1) * std / sqrt(n); null with one seed",
             "delta_zeroshot": "mean - zero-shot mean of the same backbone and dataset (points)",
             "average": "mean over the datasets listed of the per-dataset means; n counts datasets",
+            "cost": "mean over the runs (datasets and seeds) that record it; images encoded include shared "
+                    "features, charged in full to every run that uses them; peak memory in MiB (memory: "
+                    "rss = process peak resident memory, cuda = the CUDA allocator's peak)",
         },
         "backbones": backbones,
         "skipped": [{"path": str(s.path), "reason": s.reason} for s in skipped],
@@ -559,6 +686,48 @@ def plot_accuracy_vs_shots(cells: Sequence[CellStats], backbone: str):
     return fig
 
 
+def plot_cost_vs_accuracy(costs: Sequence[CostStats], backbone: str):
+    """Average top-1 against training time and against images encoded for one backbone: a point per (method,
+    shots), a line through each method's shots; methods that train nothing (0 shots) are a dashed line.
+    Returns a ``matplotlib.figure.Figure`` built without pyplot."""
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
+
+    costs = [c for c in costs if c.backbone == backbone and c.top1 is not None]
+    methods = sorted({c.method for c in costs if c.shots > 0})
+    cmap = colormaps["tab10" if len(methods) <= 10 else "tab20"]
+    color = {m: cmap(i % cmap.N) for i, m in enumerate(methods)}
+    fig = Figure(figsize=(9.0, 3.6), layout="constrained")
+    axes = fig.subplots(1, 2, squeeze=False).ravel()
+    handles: dict[str, Any] = {}
+    for ax, key, label in zip(axes, ("train_time_s", "images_encoded"),
+                              ("training time per run (s)", "images encoded per run")):
+        for c in costs:
+            if c.shots == 0:
+                h = ax.axhline(c.top1, ls="--", lw=1.2, color="0.3" if c.method == ZEROSHOT else "0.6")
+                handles.setdefault("zero-shot" if c.method == ZEROSHOT else f"{c.method} (0-shot)", h)
+        for m in methods:
+            pts = sorted((c for c in costs if c.method == m and c.shots > 0 and (getattr(c, key) or 0) > 0),
+                         key=lambda c: c.shots)
+            if not pts:
+                continue
+            x, y = [getattr(c, key) for c in pts], [c.top1 for c in pts]
+            h = ax.plot(x, y, marker="o", ms=4, lw=1.2, color=color[m])[0]
+            handles.setdefault(m, h)
+            for xi, yi, c in zip(x, y, pts):
+                ax.annotate(str(c.shots), (xi, yi), textcoords="offset points", xytext=(3, 3), fontsize=7,
+                            color=color[m])
+        ax.set_xscale("log")
+        ax.set_xlabel(label)
+        ax.set_ylabel("top-1 accuracy (%), average")
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(f"Cost vs. accuracy: {backbone} (numbers: shots)", fontsize=11)
+    if handles:
+        fig.legend(list(handles.values()), list(handles.keys()), loc="upper center", bbox_to_anchor=(0.5, 0.0),
+                   ncol=min(len(handles), 5), frameon=False, fontsize=9)
+    return fig
+
+
 def _save_figure(fig, path: Path) -> Path:
     return atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
 
@@ -579,8 +748,9 @@ def build_report(run_root: str | Path) -> Report:
             f"with method, dataset, backbone, shots, seed and top1{detail}"
         )
     cells = aggregate(runs)
+    costs = cost_stats(runs, cells)
     return Report(run_root=run_root, runs=runs, cells=cells, skipped=skipped,
-                  markdown=render_markdown(run_root, runs, cells, skipped))
+                  markdown=render_markdown(run_root, runs, cells, skipped, costs), costs=costs)
 
 
 def write_report(run_root: str | Path, out_dir: str | Path | None = None) -> Report:
@@ -595,7 +765,7 @@ def write_report(run_root: str | Path, out_dir: str | Path | None = None) -> Rep
         "md": atomic_write_text(out / "report.md", report.markdown),
         "csv": atomic_write_text(out / "report.csv", render_csv(report.cells)),
         "json": atomic_write_json(out / "report.json",
-                                  to_json(report.run_root, report.runs, report.cells, report.skipped)),
+                                  to_json(report.run_root, report.runs, report.cells, report.skipped, report.costs)),
     }
     backbones = report.backbones
     names = figure_names(backbones)
@@ -605,6 +775,14 @@ def write_report(run_root: str | Path, out_dir: str | Path | None = None) -> Rep
             paths["png"] = _save_figure(fig, out / FIGURE_FILE)
         if names[bb] != FIGURE_FILE:
             paths[f"png:{bb}"] = _save_figure(fig, out / names[bb])
+    cost_backbones = sorted({c.backbone for c in report.costs})
+    cost_names = figure_names(cost_backbones, COST_FIGURE_FILE) if cost_backbones else {}
+    for i, bb in enumerate(cost_backbones):
+        fig = plot_cost_vs_accuracy(report.costs, bb)
+        if i == 0:
+            paths["cost_png"] = _save_figure(fig, out / COST_FIGURE_FILE)
+        if cost_names[bb] != COST_FIGURE_FILE:
+            paths[f"cost_png:{bb}"] = _save_figure(fig, out / cost_names[bb])
     report.paths = paths
     logger.info("wrote %s", ", ".join(str(p) for p in paths.values()))
     return report

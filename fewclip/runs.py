@@ -2,12 +2,14 @@
 
 A run directory holds ``config.yaml`` (the resolved config), ``split.json``
 (the few-shot image ids), ``adapter.safetensors`` (adapter tensors only) and
-``metrics.json``; every file is written atomically and fsynced, and ``metrics.json``
-last, with a record of the run's identity and of its files' checksums
-(``fewclip.records``): a run is finished only if that record is valid.
-``fewclip sweep`` skips finished runs of the same identity and reruns those whose
-config, backbone weights or data changed, so an interrupted sweep resumes where it
-stopped; a lock per run directory lets several sweeps share one out directory.
+``metrics.json`` (accuracy and cost: ``fewclip.cost``); an adapter that trains
+on nothing (zeroshot) has no split and no tensors. Every file is written
+atomically and fsynced, and ``metrics.json`` last, with a record of the run's
+identity and of its files' checksums (``fewclip.records``): a run is finished
+only if that record is valid. ``fewclip sweep`` skips finished runs of the same
+identity and reruns those whose config, backbone weights or data changed, so an
+interrupted sweep resumes where it stopped; a lock per run directory lets several
+sweeps share one out directory.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -25,19 +27,19 @@ from fewclip.adapters import AdapterConfig, adapter_info, build_adapter
 from fewclip.datasets import build_dataset, make_few_shot_split, write_split
 
 from .backbones import Backbone, load_backbone
-from .config import ConfigError, RunConfig, compose, load_config, split_args, to_object, to_yaml
-from .engine import TrainConfig, _autocast, evaluate, fit_adapter
-from .features import extract_features
-from .io import atomic_write
+from .config import ConfigError, RunConfig, compose, split_args, to_object, to_yaml
+from .cost import RunCost
+from .engine import RunFeatures, TrainConfig, evaluate, fit_adapter
 from .errors import user_errors
-from .records import (Identity, Run, RunLock, RunState, claim_run, data_part, open_run, prepare_dir,
+from .features import FeatureCache
+from .io import atomic_write
+from .records import (Identity, Run, RunLock, RunState, claim_run, config_dict, data_part, open_run, prepare_dir,
                       remove_leftovers, run_identity, run_state, tidy, weights_checksum)
-from .zeroshot import evaluate_zeroshot, test_items
+from .zeroshot import test_items
 
 log = logging.getLogger(__name__)
 
 SWEEP_LOCK_FILE = ".fewclip.sweep.lock"
-
 
 @dataclass
 class TrainRunConfig(RunConfig):
@@ -47,7 +49,10 @@ class TrainRunConfig(RunConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.shots < 1:
+        untrained = adapter_info(self.adapter.name).adapter_cls.trained_by is None
+        if untrained and self.shots != 0:
+            raise ValueError(f"adapter {self.adapter.name!r} trains on no images: shots must be 0, got {self.shots}")
+        if not untrained and self.shots < 1:
             raise ValueError(f"shots must be >= 1, got {self.shots}")
 
 
@@ -78,8 +83,17 @@ def load_train_config(args: Sequence[str]) -> TrainRunConfig:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     train = TrainConfig(**getattr(info.adapter_cls, "train_defaults", {}))
-    base = OmegaConf.structured(TrainRunConfig(adapter=info.config_cls(), train=train))
+    shots = 0 if info.adapter_cls.trained_by is None else 16
+    base = OmegaConf.structured(TrainRunConfig(adapter=info.config_cls(), train=train, shots=shots))
     return to_object(compose(TrainRunConfig, args, base=base))
+
+
+def as_train_config(cfg: RunConfig, adapter: AdapterConfig, shots: int = 0) -> TrainRunConfig:
+    """A run config of ``cfg``'s backbone, data and seed with ``adapter`` (``fewclip zeroshot``: the zeroshot
+    adapter)."""
+    common = {f.name: getattr(cfg, f.name) for f in fields(RunConfig)}
+    train = TrainConfig(**getattr(adapter_info(adapter.name).adapter_cls, "train_defaults", {}))
+    return TrainRunConfig(**common, adapter=adapter, train=train, shots=shots)
 
 
 # ---------------------------------------------------------------------------
@@ -87,101 +101,65 @@ def load_train_config(args: Sequence[str]) -> TrainRunConfig:
 # ---------------------------------------------------------------------------
 
 
-class FeatureCache:
-    """Test features per (backbone, dataset, subset) kept in memory across the runs of a sweep."""
-
-    def __init__(self):
-        self._store: Dict[Tuple, Tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def test(self, backbone: Backbone, dataset, max_test: Optional[int], seed: int, batch_size: int, workers: int):
-        key = (backbone.name, backbone.weights_sha256, backbone.variant, dataset.name, max_test, seed if max_test else None)
-        if key not in self._store:
-            items = test_items(dataset, max_test, seed)
-            self._store[key] = extract_features(backbone, dataset, items, batch_size=batch_size, workers=workers,
-                                                desc=f"{dataset.name} test")
-        return self._store[key]
-
-
 def run_identity_of(cfg: RunConfig, backbone: Backbone, dataset, split=None) -> Identity:
     """The run's identity (``fewclip.records``): its config, the backbone's weights checksum, and the class
-    names, templates, few-shot split and test images it uses."""
+    names, templates, few-shot split and test images it uses. The ``train`` section of an adapter that trains
+    on nothing (zeroshot) is no part of it: a sweep's ``train.*`` arguments do not change its numbers."""
+    conf = config_dict(cfg)
+    if adapter_info(conf["adapter"]["name"]).adapter_cls.trained_by is None:
+        conf.pop("train", None)
     data = data_part(dataset=dataset.name, classnames=dataset.classnames,
-                     templates=dataset.prompts(cfg.data.templates), test=test_items(dataset, cfg.data.max_test, 1),
+                     templates=dataset.prompts(cfg.data.templates), test=test_items(dataset, cfg.data.max_test),
                      split=split.to_json() if split else None)
-    return run_identity(cfg, weights_checksum(backbone), data)
-
-
-def run_zeroshot(cfg: RunConfig, out: Path, *, backbone: Optional[Backbone] = None, dataset=None,
-                 cache: Optional[FeatureCache] = None, method: str = "zeroshot", lock: Optional[RunLock] = None,
-                 overwrite: Optional[bool] = None) -> Dict:
-    """Zero-shot evaluation into the run directory ``out`` (see ``records.open_run`` for an existing run there;
-    ``lock``: the directory's lock, already held by the caller)."""
-    dataset = dataset or build_dataset(cfg.data)
-    backbone = backbone or load_backbone(cfg.backbone)
-    identity = run_identity_of(cfg, backbone, dataset)
-    with open_run(out, identity, overwrite=cfg.overwrite if overwrite is None else overwrite, lock=lock) as run:
-        if run.done:
-            log.info("%s: already finished with this config; overwrite=true runs it again", out)
-            return run.metrics
-        return _zeroshot(run, cfg, out, backbone, dataset, cache or FeatureCache(), method)
-
-
-def _zeroshot(run: Run, cfg: RunConfig, out: Path, backbone: Backbone, dataset, cache: FeatureCache,
-              method: str) -> Dict:
-    from .io import atomic_write_text
-
-    atomic_write_text(out / "config.yaml", to_yaml(cfg))
-    # Zero-shot always uses the full test set (or the configured subset) with subset seed 1 so every
-    # method of a sweep is tested on the same images.
-    feats = cache.test(backbone, dataset, cfg.data.max_test, 1, cfg.data.batch_size, cfg.data.workers)
-    metrics = evaluate_zeroshot(backbone, dataset, templates=cfg.data.templates, seed=cfg.seed, features=feats)
-    metrics["method"] = method
-    metrics["backbone_info"] = backbone.describe()
-    return run.finish(metrics, files=["config.yaml"])
+    return run_identity(conf, weights_checksum(backbone), data)
 
 
 def run_train(cfg: TrainRunConfig, out: Path, *, backbone: Optional[Backbone] = None, dataset=None,
               cache: Optional[FeatureCache] = None, method: Optional[str] = None, lock: Optional[RunLock] = None,
               overwrite: Optional[bool] = None) -> Dict:
-    """Train one adapter on one few-shot split and test it; ``method`` labels it in metrics.json.
+    """Train one adapter on one few-shot split (none for an adapter that trains on nothing) and test it;
+    ``method`` labels it in metrics.json. ``cache`` shares frozen-tower features between the runs of a sweep.
     An existing run in ``out`` is handled by ``records.open_run``; ``lock``: the directory's lock, already
     held by the caller."""
     dataset = dataset or build_dataset(cfg.data)
     backbone = backbone or load_backbone(cfg.backbone)
-    split = make_few_shot_split(dataset, cfg.shots, cfg.seed, allow_fewer=cfg.data.allow_fewer_shots)
+    split = None
+    if adapter_info(cfg.adapter.name).adapter_cls.trained_by is not None:
+        split = make_few_shot_split(dataset, cfg.shots, cfg.seed, allow_fewer=cfg.data.allow_fewer_shots)
     identity = run_identity_of(cfg, backbone, dataset, split)
     with open_run(out, identity, overwrite=cfg.overwrite if overwrite is None else overwrite, lock=lock) as run:
         if run.done:
             log.info("%s: already finished with this config; overwrite=true runs it again", out)
             return run.metrics
-        return _train(run, cfg, out, backbone, dataset, cache or FeatureCache(), split, method)
+        return _train(run, cfg, out, backbone, dataset, cache, split, method)
 
 
-def _train(run: Run, cfg: TrainRunConfig, out: Path, backbone: Backbone, dataset, cache: FeatureCache, split,
-           method: Optional[str]) -> Dict:
+def _train(run: Run, cfg: TrainRunConfig, out: Path, backbone: Backbone, dataset, cache: Optional[FeatureCache],
+           split, method: Optional[str]) -> Dict:
     from safetensors.torch import save_file
 
     from .io import atomic_write_text
 
     atomic_write_text(out / "config.yaml", to_yaml(cfg))
-    write_split(split, out / "split.json")
-    torch.manual_seed(cfg.seed)
-    adapter = build_adapter(cfg.adapter, backbone, dataset.classnames, dataset.prompts(cfg.data.templates))
-    info = fit_adapter(adapter, backbone, dataset, split, cfg.train, seed=cfg.seed,
-                       batch_size=cfg.data.batch_size, workers=cfg.data.workers)
-    if adapter.trains_image_tower:  # test features from the adapted image tower
-        with torch.no_grad(), _autocast(backbone.device, cfg.train.amp):
-            feats, labels = extract_features(backbone, dataset, test_items(dataset, cfg.data.max_test, 1),
-                                             batch_size=cfg.data.batch_size, workers=cfg.data.workers,
-                                             desc=f"{dataset.name} test", encode=adapter.encode_images)
-    else:
-        feats, labels = cache.test(backbone, dataset, cfg.data.max_test, 1, cfg.data.batch_size,
-                                   cfg.data.workers)
+    cost = RunCost(backbone.device)  # from here: the backbone and dataset are shared by a sweep's runs
+    files = ["config.yaml"]
+    if split is not None:
+        write_split(split, out / "split.json")
+        files.append("split.json")
+    generator = torch.Generator().manual_seed(cfg.seed)
+    adapter = build_adapter(cfg.adapter, backbone, dataset.classnames, dataset.prompts(cfg.data.templates),
+                            generator=generator)
+    features = RunFeatures(adapter, dataset, split, cfg.train, seed=cfg.seed, cache=cache, cost=cost,
+                           batch_size=cfg.data.batch_size, workers=cfg.data.workers)
+    info = fit_adapter(adapter, features, cfg.train, shots=cfg.shots, generator=generator)
+    feats, labels = features.test(test_items(dataset, cfg.data.max_test))
     metrics = evaluate(adapter, feats, labels, dataset.classnames, amp=cfg.train.amp)
     sd = adapter.adapter_state_dict()
-    meta = {"adapter": cfg.adapter.name, "backbone": backbone.name, "dataset": dataset.name,
-            "weights_sha256": backbone.weights_sha256 or ""}
-    atomic_write(out / "adapter.safetensors", lambda tmp: save_file(sd, tmp, metadata=meta))
+    if sd:
+        meta = {"adapter": cfg.adapter.name, "backbone": backbone.name, "dataset": dataset.name,
+                "weights_sha256": backbone.weights_sha256 or ""}
+        atomic_write(out / "adapter.safetensors", lambda tmp: save_file(sd, tmp, metadata=meta))
+        files.append("adapter.safetensors")
     metrics.update({
         "method": method or cfg.adapter.name,
         "adapter": cfg.adapter.name,
@@ -190,13 +168,14 @@ def _train(run: Run, cfg: TrainRunConfig, out: Path, backbone: Backbone, dataset
         "geometry": backbone.geometry.name,
         "shots": cfg.shots,
         "seed": cfg.seed,
-        "trainable_parameters": int(sum(v.numel() for v in sd.values())),
         "templates": list(adapter.templates),
         **info,
+        **cost.record(sum(p.numel() for p in adapter.trainable_parameters())),
+        "backbone_info": backbone.describe(),
     })
-    run.finish(metrics, files=["config.yaml", "split.json", "adapter.safetensors"], tensors=sd)
+    run.finish(metrics, files=files, tensors=sd)
     log.info("%s %d-shot seed %d on %s with %s: top1 %.2f%% (%.1f s)", metrics["method"], cfg.shots, cfg.seed,
-             dataset.name, backbone.name, metrics["top1"], info.get("train_time_s", 0.0))
+             dataset.name, backbone.name, metrics["top1"], metrics["wall_time_s"])
     return metrics
 
 
@@ -209,7 +188,7 @@ def _train(run: Run, cfg: TrainRunConfig, out: Path, backbone: Backbone, dataset
 class SweepSpec:
     backbones: List[str] = field(default_factory=lambda: ["toy-clip"])
     datasets: List[str] = field(default_factory=lambda: ["toy-shapes"])
-    # "zeroshot", a registered adapter name, or a label defined in `variants`.
+    # A registered adapter name ("zeroshot", "coop", ...) or a label defined in `variants`.
     methods: List[str] = field(default_factory=lambda: ["zeroshot", "coop"])
     shots: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
     seeds: List[int] = field(default_factory=lambda: [1, 2, 3])
@@ -217,7 +196,8 @@ class SweepSpec:
     args: List[str] = field(default_factory=list)
     # Named method variants: label -> key=value list including adapter=NAME, e.g.
     #   coop_n4: [adapter=coop, adapter.n_ctx=4]
-    # adapter=zeroshot makes a zero-shot variant: zeroshot_single: [adapter=zeroshot, data.templates=single]
+    #   zeroshot_single: [adapter=zeroshot, data.templates=single]
+    # An adapter that trains on nothing (zeroshot) runs once per backbone and dataset, at 0 shots.
     variants: Dict[str, List[str]] = field(default_factory=dict)
     # key=value overrides per backbone (e.g. for an open_clip backbone's pretrained tag).
     backbone_args: Dict[str, List[str]] = field(default_factory=dict)
@@ -257,14 +237,6 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", base)
 
 
-def _zeroshot_args(args: Sequence[str]) -> List[str]:
-    """``args`` without the keys only training runs have (``train.*``, ``adapter.*``, ``shots``): a sweep's
-    shared ``args`` such as ``train.epochs=10`` would not parse as a zero-shot run's config. The training
-    runs of the same sweep still check those keys."""
-    train_only = {f.name for f in fields(TrainRunConfig)} - {f.name for f in fields(RunConfig)}
-    return [a for a in args if a.split("=", 1)[0].split(".", 1)[0] not in train_only]
-
-
 def plan_sweep(spec: SweepSpec) -> List[Dict[str, Any]]:
     """Every run of the sweep as {backbone, dataset, method, shots, seed, args, dir}."""
     runs = []
@@ -273,18 +245,17 @@ def plan_sweep(spec: SweepSpec) -> List[Dict[str, Any]]:
             for method in spec.methods:
                 base = [f"backbone={bb}", f"data={ds}", *spec.backbone_args.get(bb, []), *spec.args]
                 margs = spec.variants.get(method, [f"adapter={method}"])
-                if method == "zeroshot" and method not in spec.variants:
-                    margs = ["adapter=zeroshot"]
-                # A zero-shot run: "zeroshot" itself, or a variant that says adapter=zeroshot.
-                if "adapter=zeroshot" in margs:
-                    zargs = [a for a in margs if a != "adapter=zeroshot"]
-                    runs.append({"backbone": bb, "dataset": ds, "method": method, "kind": "zeroshot", "shots": 0,
-                                 "seed": 1, "args": _zeroshot_args([*base, *zargs]),
-                                 "dir": Path(_safe(bb)) / ds / method})
+                try:
+                    untrained = adapter_info(_adapter_name(margs)).adapter_cls.trained_by is None
+                except ValueError as e:
+                    raise ConfigError(f"sweep method {method!r}: {e}") from None
+                if untrained:  # nothing to train: one run, at 0 shots
+                    runs.append({"backbone": bb, "dataset": ds, "method": method, "shots": 0, "seed": 1,
+                                 "args": [*base, *margs, "shots=0"], "dir": Path(_safe(bb)) / ds / method})
                     continue
                 for k in spec.shots:
                     for s in spec.seeds:
-                        runs.append({"backbone": bb, "dataset": ds, "method": method, "kind": "train",
+                        runs.append({"backbone": bb, "dataset": ds, "method": method,
                                      "shots": k, "seed": s,
                                      "args": [*base, *margs, f"shots={k}", f"seed={s}"],
                                      "dir": Path(_safe(bb)) / ds / method / f"{k}shot" / f"seed{s}"})
@@ -321,7 +292,7 @@ def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, int
     parsed = []
     for r in runs:
         try:
-            c = load_config(r["args"], RunConfig) if r["kind"] == "zeroshot" else load_train_config(r["args"])
+            c = load_train_config(r["args"])
         except ConfigError as e:
             raise ConfigError(f"sweep run {r['dir']}: {e}") from None
         c.out = str(out / r["dir"])
@@ -343,8 +314,9 @@ def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, int
     for r, c in zip(runs, parsed):
         try:
             bb, ds = resources(c)
-            split = None if r["kind"] == "zeroshot" else make_few_shot_split(
-                ds, c.shots, c.seed, allow_fewer=c.data.allow_fewer_shots)
+            trained = adapter_info(c.adapter.name).adapter_cls.trained_by is not None
+            split = make_few_shot_split(ds, c.shots, c.seed, allow_fewer=c.data.allow_fewer_shots) if trained \
+                else None
             identity = run_identity_of(c, bb, ds, split)
         except user_errors() as e:
             raise _in_run(e, r) from e
@@ -384,10 +356,7 @@ def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, int
                 bb, ds = resources(c)
                 kwargs = dict(backbone=bb, dataset=ds, cache=cache, method=r["method"], lock=lock, overwrite=True)
                 try:
-                    if r["kind"] == "zeroshot":
-                        run_zeroshot(c, d, **kwargs)
-                    else:
-                        run_train(c, d, **kwargs)
+                    run_train(c, d, **kwargs)
                 except user_errors() as e:
                     raise _in_run(e, r) from e
                 counts["ran"] += 1

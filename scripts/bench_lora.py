@@ -19,11 +19,12 @@ Methods (``methods=``, a comma list; all four by default):
 architecture loaded with random weights (``ViT-B-16`` means ``backbone.pretrained=none``: neither time
 nor memory depends on the weights). The ``classes=`` class names are synthetic ("class 0", ...), with
 LoRA's default template "a photo of a {}.". One step is what the engine's loop does
-(``fewclip.engine.train_gradient``): under ``fewclip.engine._autocast(device, amp)`` (CUDA only;
+(``fewclip.engine.train_loop``): under ``fewclip.engine.amp_autocast(device, amp)`` (CUDA only;
 ``amp=`` is ignored on the CPU), logits from ``batch=`` cached features (random, of the image tower's
 output size), or from ``adapter.encode_images(pixels)`` of random pixels for the methods that adapt the
-image tower; cross-entropy; backward; an optimiser step with the adapter's own defaults (CoOp: SGD with
-momentum; LoRA: AdamW). The optimiser's state is created by the first step, so it counts as step memory.
+image tower; cross-entropy; backward; an optimiser step (``fewclip.engine.make_optimizer``) with the
+adapter's own defaults (CoOp: SGD with momentum; LoRA: AdamW). The optimiser's state is created by the
+first step, so it counts as step memory.
 
 Each method runs in a fresh Python process (this script, called with ``worker=METHOD``), so no method's
 memory is left over in another's numbers:
@@ -31,10 +32,10 @@ memory is left over in another's numbers:
 * CUDA: the caching allocator's counters. *before* is ``torch.cuda.memory_allocated()`` once the backbone,
   adapter, optimiser and inputs are built; *peak* is ``torch.cuda.max_memory_allocated()`` over the steps
   (peak statistics reset just before them), tensors only; *step extra* = peak - before.
-* CPU: the process's resident set size (RSS, from ``/proc/self/status`` and
-  ``resource.getrusage(RUSAGE_SELF).ru_maxrss``). After setup, garbage is collected, freed heap memory
-  is handed back to the system (``malloc_trim``) and the RSS high-water mark is reset
-  (``/proc/self/clear_refs``); *before* is the RSS then, *peak* is ``ru_maxrss`` after the steps. RSS
+* CPU: the process's resident set size (RSS, from ``/proc/self/status``; ``fewclip.cost``, which every
+  run's metrics use too). After setup, garbage is collected, freed heap memory is handed back to the
+  system (``malloc_trim``) and the RSS high-water mark is reset (``/proc/self/clear_refs``); *before* is
+  the RSS then, *peak* is the high-water mark (``VmHWM``) after the steps. RSS
   counts more than tensors (the allocator's slack, library code first touched by the backward pass,
   Python objects), so *step extra* is an upper-bound-ish estimate of what the step needs, and small
   values (a few MiB) are noise. Where the high-water mark cannot be reset, *before* is the peak RSS of
@@ -47,12 +48,10 @@ the number of idle cores keeps threads from waiting for each other (with toy-cli
 two threads made a step of milliseconds take a second). Numbers from this script say on what
 machine they were taken (the first line of its output).
 """
-import ctypes
 import gc
 import logging
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -66,6 +65,7 @@ import torch.nn.functional as F
 
 from fewclip.backbones import BackboneConfig, load_backbone, resolve_device, shipped_cards
 from fewclip.config import as_dict, load_config
+from fewclip.cost import MiB, peak_rss_bytes, reset_peak_rss, rss_bytes
 from fewclip.io import atomic_write_json, read_json
 
 log = logging.getLogger("bench_lora")
@@ -77,7 +77,6 @@ METHODS = {
     "lora": ("lora", {}, "LoRA q,k,v, both towers"),
     "lora_qkvo_mlp": ("lora", {"targets": "q,k,v,o,mlp"}, "LoRA q,k,v,o,mlp, both towers"),
 }
-MiB = 2 ** 20
 
 
 def split(s: Any) -> List[str]:
@@ -130,34 +129,6 @@ def backbone_config(cfg: BenchConfig) -> BackboneConfig:
 # ---------------------------------------------------------------------------
 
 
-def rss_bytes() -> int:
-    """The process's resident set size now (Linux)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
-def settle_and_reset_peak() -> bool:
-    """Free what setup left behind and reset the RSS high-water mark; False where it cannot be reset."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap pages back, so the step has to touch new ones
-    except (OSError, AttributeError):
-        pass
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # 5: reset the peak RSS to the current RSS (Linux >= 4.0)
-        return True
-    except OSError:
-        return False
-
-
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -165,7 +136,7 @@ def sync(device: torch.device) -> None:
 
 def run_worker(cfg: BenchConfig) -> Dict:
     from fewclip.adapters import adapter_info, build_adapter
-    from fewclip.engine import TrainConfig, _autocast
+    from fewclip.engine import TrainConfig, amp_autocast, make_optimizer
 
     method = cfg.worker
     adapter_name, overrides, _ = METHODS[method]
@@ -179,10 +150,7 @@ def run_worker(cfg: BenchConfig) -> Dict:
     params = adapter.trainable_parameters()
     # the optimiser the engine would build: TrainConfig's defaults with the adapter's own on top
     tc = TrainConfig(**adapter.train_defaults)
-    if tc.optimizer == "sgd":
-        opt = torch.optim.SGD(params, lr=tc.lr, momentum=tc.momentum, weight_decay=tc.weight_decay)
-    else:
-        opt = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
+    opt = make_optimizer(params, tc)
 
     B, S = cfg.batch, bb.image_size
     labels = torch.randint(0, cfg.classes, (B,), device=dev)
@@ -195,7 +163,7 @@ def run_worker(cfg: BenchConfig) -> Dict:
         inputs = torch.randn(B, D, device=dev)
 
     def step():
-        with _autocast(dev, cfg.amp):
+        with amp_autocast(dev, cfg.amp):
             x = adapter.encode_images(inputs) if adapter.trains_image_tower else inputs
             logits = adapter(x)
         loss = F.cross_entropy(logits.float(), labels)
@@ -212,7 +180,7 @@ def run_worker(cfg: BenchConfig) -> Dict:
         torch.cuda.reset_peak_memory_stats(dev)
         reset = True
     else:
-        reset = settle_and_reset_peak()
+        reset = reset_peak_rss(collect=True)
         before = rss_bytes() if reset else peak_rss_bytes()
     times = []
     for _ in range(cfg.steps):

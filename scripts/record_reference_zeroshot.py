@@ -27,13 +27,12 @@ from fewclip.datasets import DataConfig, build_dataset
 from fewclip.datasets.protocols import plan_base2new
 from fewclip.datasets.toytasks import TASKS
 from fewclip.io import atomic_write_json
-from fewclip.zeroshot import evaluate_zeroshot
+from fewclip.zeroshot import TEST_SUBSET_SEED, evaluate_zeroshot
 
 log = logging.getLogger("fewclip.record_reference_zeroshot")
 
 FORMAT = "fewclip.reference-zeroshot/1"
 MAX_TEST = 200
-SUBSET_SEED = 1
 TEMPLATES = "ensemble"
 DEVICE = "cpu"
 COMMAND = "python scripts/record_reference_zeroshot.py"
@@ -51,18 +50,18 @@ def record() -> dict:
         sha[card] = bb.weights_sha256
         top1[card] = {}
         for task, ds in datasets.items():
-            m = evaluate_zeroshot(bb, ds, templates=TEMPLATES, max_test=MAX_TEST, seed=SUBSET_SEED)
+            m = evaluate_zeroshot(bb, ds, templates=TEMPLATES, max_test=MAX_TEST)
             top1[card][task] = round(m["top1"], 2)
             n_test[task] = m["n_test"]
         b2n_top1[card] = {}
         for half, ds in halves.items():
-            m = evaluate_zeroshot(bb, ds, templates=TEMPLATES, max_test=MAX_TEST, seed=SUBSET_SEED)
+            m = evaluate_zeroshot(bb, ds, templates=TEMPLATES, max_test=MAX_TEST)
             b2n_top1[card][half] = round(m["top1"], 2)
             b2n_n_test[half] = m["n_test"]
     return {
         "format": FORMAT,
         "command": COMMAND,
-        "subset": {"split": "test", "max_test": MAX_TEST, "seed": SUBSET_SEED, "templates": TEMPLATES,
+        "subset": {"split": "test", "max_test": MAX_TEST, "seed": TEST_SUBSET_SEED, "templates": TEMPLATES,
                    "n_test": n_test},
         "device": f"{DEVICE} ({platform.machine()}), torch {torch.__version__}",
         "weights_sha256": sha,

@@ -8,8 +8,10 @@ from fewclip.adapters import ADAPTERS, AdapterConfig, adapter_info, build_adapte
 from fewclip.backbones import BackboneConfig, load_backbone
 from fewclip.config import ConfigError
 from fewclip.datasets import DataConfig, build_dataset, make_few_shot_split
-from fewclip.features import extract_features
+from fewclip.engine import FitData, TrainConfig
+from fewclip.features import Features, extract_features, text_prototypes
 from fewclip.runs import load_train_config
+from fewclip.zeroshot import zeroshot_logits
 
 BACKBONES = ["toy-clip", "toy-meru"]  # clip and hyperbolic geometry
 
@@ -39,15 +41,22 @@ def test_every_adapter(name, backbone_name, toy, shapes, tmp_path):
     templates = shapes.prompts("ensemble")
     C = len(shapes.classnames)
 
-    torch.manual_seed(0)
-    adapter = build_adapter(info.config_cls(), bb, shapes.classnames, templates)
+    adapter = build_adapter(info.config_cls(), bb, shapes.classnames, templates,
+                            generator=torch.Generator().manual_seed(0))
     assert isinstance(adapter, info.adapter_cls) and adapter.name == name
     logits = adapter(test_x)
     assert logits.shape == (len(test_x), C) and logits.dtype == torch.float32
     assert torch.isfinite(logits).all()
 
-    if adapter.closed_form:
-        result = adapter.fit(tx, ty, vx, vy)
+    if adapter.trained_by is None:  # nothing to train: no parameters, no saved state, zero-shot logits
+        assert not list(adapter.parameters()) and adapter.adapter_state_dict() == {}
+        protos = text_prototypes(bb, shapes.classnames, templates)
+        torch.testing.assert_close(logits, zeroshot_logits(bb, test_x, protos))
+        return
+    if adapter.trained_by == "fit":
+        views = [Features(tx, ty)] * adapter.fit_views()
+        result = adapter.fit(FitData(Features(tx, ty), views, Features(vx, vy), TrainConfig(), 2,
+                                     torch.Generator().manual_seed(0)))
         assert isinstance(result, dict)
     else:
         if adapter.trains_image_tower:  # the image tower itself is adapted: features come through it
@@ -84,8 +93,8 @@ def test_every_adapter(name, backbone_name, toy, shapes, tmp_path):
     path = tmp_path / "adapter.safetensors"
     save_file(sd, str(path))
 
-    torch.manual_seed(1)  # a different random init, where the adapter has one
-    fresh = build_adapter(info.config_cls(), bb, shapes.classnames, templates)
+    fresh = build_adapter(info.config_cls(), bb, shapes.classnames, templates,  # another init, where there is one
+                          generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert not torch.equal(fresh(test_x), trained)
         fresh.load_adapter_state_dict(load_file(str(path)))
@@ -98,11 +107,15 @@ def test_every_adapter(name, backbone_name, toy, shapes, tmp_path):
 
 
 def test_registry_is_a_dict_of_names_configs_and_classes():
-    assert {"coop", "linear_probe", "zs_probe"} <= set(ADAPTERS)
+    assert {"coop", "linear_probe", "zs_probe", "lora", "zeroshot"} <= set(ADAPTERS)
     for name, info in ADAPTERS.items():
         assert name == name.lower() == info.name
         assert issubclass(info.config_cls, AdapterConfig) and info.config_cls().name == name
         assert info.adapter_cls.name == name
+        assert info.adapter_cls.trained_by in ("loop", "fit", None)
+    assert {n: i.adapter_cls.trained_by for n, i in ADAPTERS.items() if n in ("coop", "lora", "linear_probe",
+                                                                             "zs_probe", "zeroshot")} == {
+        "coop": "loop", "lora": "loop", "linear_probe": "fit", "zs_probe": "fit", "zeroshot": None}
 
 
 def test_duplicate_registration_is_an_error():

@@ -343,7 +343,8 @@ def test_compiled_flex_on_the_cpu_equals_the_mask_path():
 
 
 def test_exported_prompts_rebuild_the_windowed_backbone(tmp_path):
-    from fewclip.export import export_prompts, load_prompts
+    from fewclip.adapters.coop_export import export_prompts
+    from fewclip.export import load_prompts
 
     cfg = backbone_config_from_dict({"name": "toy-clip", "device": "cpu", "local_attention": {
         "text": {"window": 2}, "vision": {"window": 1, "shape": "grid"}}})

@@ -128,7 +128,7 @@ CASES = [
     ("predict-on-a-folder", lambda f: ["predict", f"prompts={f['prompts']}", str(f["img_dir"])], 2,
      ["is a folder", "image files"]),
     ("prompts-is-a-plain-folder", lambda f: ["predict", f"prompts={f['empty_dir']}", str(f["img"])], 2,
-     ["is a folder but not a LoRA export"]),
+     ["is a folder but not a fewclip export", "fewclip export"]),
     ("negative-seed", lambda f: [*TRAIN, "seed=-1", f"out={f['tmp'] / 't3'}"], 2,
      ["seed must be >= 0", "-1"]),
     ("sweep-negative-seed", lambda f: ["sweep", "sweep.seeds=[-1]", f"out={f['tmp'] / 's3'}"], 2,

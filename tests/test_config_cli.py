@@ -7,6 +7,7 @@ from omegaconf import OmegaConf
 from fewclip.backbones import shipped_cards
 from fewclip.cli import main
 from fewclip.config import ConfigError, RunConfig, load_config, split_args
+from fewclip.runs import load_train_config
 
 
 # ---------------------------------------------------------------- config
@@ -93,11 +94,13 @@ def test_zeroshot_writes_config_and_metrics(tmp_path, capsys):
     rc = main(["zeroshot", "backbone=toy-clip", "data=toy-shapes", "data.max_test=80", "backbone.device=cpu",
                f"out={out}"])
     assert rc == 0
-    # config.yaml is the resolved config, and loads back to the same run
+    # config.yaml is the resolved config of the run (the zeroshot adapter, 0 shots), and loads back to the same run
     saved = OmegaConf.load(out / "config.yaml")
     assert saved.backbone.name == "toy-clip" and saved.data.max_test == 80 and saved.seed == 1
-    assert load_config([str(out / "config.yaml")]) == load_config(
-        ["backbone=toy-clip", "data=toy-shapes", "data.max_test=80", "backbone.device=cpu", f"out={out}"])
+    assert saved.adapter.name == "zeroshot" and saved.shots == 0
+    assert load_train_config([str(out / "config.yaml")]) == load_train_config(
+        ["adapter=zeroshot", "backbone=toy-clip", "data=toy-shapes", "data.max_test=80", "backbone.device=cpu",
+         f"out={out}"])
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["n_test"] == 80
     assert set(metrics["per_class"]) == {"circle", "square", "triangle", "diamond", "cross", "star", "ring", "crescent"}

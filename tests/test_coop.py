@@ -195,21 +195,22 @@ def test_truncation_is_exact(name, position, csc, cards):
 def test_context_shapes_init_std_and_seed():
     bb = backbone("toy-clip")
     W, C = bb.model.token_embedding.weight.shape[1], len(SHAPES)
-    torch.manual_seed(3)
-    unified = CoOp(CoOpConfig(n_ctx=8), bb, SHAPES)
-    torch.manual_seed(3)
-    csc = CoOp(CoOpConfig(n_ctx=8, csc=True, init_std=0.1), bb, SHAPES)
+    gen = lambda seed: torch.Generator().manual_seed(seed)  # noqa: E731
+    unified = CoOp(CoOpConfig(n_ctx=8), bb, SHAPES, generator=gen(3))
+    csc = CoOp(CoOpConfig(n_ctx=8, csc=True, init_std=0.1), bb, SHAPES, generator=gen(3))
     assert unified.ctx.shape == (8, W)
     assert csc.ctx.shape == (C, 8, W)
     assert float(unified.ctx.detach().std()) == pytest.approx(0.02, rel=0.1)  # 512 draws
     assert float(csc.ctx.detach().std()) == pytest.approx(0.1, rel=0.05)  # 4096 draws
     assert abs(float(csc.ctx.detach().mean())) < 0.01
-    torch.manual_seed(3)
-    again = CoOp(CoOpConfig(n_ctx=8), bb, SHAPES)
-    torch.manual_seed(4)
-    other = CoOp(CoOpConfig(n_ctx=8), bb, SHAPES)
+    state = torch.random.get_rng_state()
+    again = CoOp(CoOpConfig(n_ctx=8), bb, SHAPES, generator=gen(3))
+    other = CoOp(CoOpConfig(n_ctx=8), bb, SHAPES, generator=gen(4))
     assert torch.equal(again.ctx, unified.ctx)
     assert not torch.allclose(other.ctx, unified.ctx)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the init never touches torch's global RNG
+    # without a generator: one seeded with 0, so building is deterministic
+    assert torch.equal(CoOp(CoOpConfig(n_ctx=8), bb, SHAPES).ctx, CoOp(CoOpConfig(n_ctx=8), bb, SHAPES).ctx)
     # CSC from words: every class starts from the same words.
     words = CoOp(CoOpConfig(ctx_init="a photo of a", csc=True), bb, SHAPES)
     assert words.ctx.shape == (C, 4, W)
@@ -277,13 +278,13 @@ def test_nearest_words_with_bpe_strip_word_ends(cards):
 
 def test_state_is_the_context_only_and_loads_strictly(tmp_path):
     bb = backbone("toy-euclip")
-    torch.manual_seed(1)
-    trained = CoOp(CoOpConfig(n_ctx=4, class_token_position="middle"), bb, SHAPES)
+    trained = CoOp(CoOpConfig(n_ctx=4, class_token_position="middle"), bb, SHAPES,
+                   generator=torch.Generator().manual_seed(1))
     sd = trained.adapter_state_dict()
     assert list(sd) == ["ctx"] and list(trained.state_dict()) == ["ctx"]  # buffers are non-persistent
     save_file(sd, str(tmp_path / "ctx.safetensors"))
-    torch.manual_seed(2)
-    fresh = CoOp(CoOpConfig(n_ctx=4, class_token_position="middle"), bb, SHAPES)
+    fresh = CoOp(CoOpConfig(n_ctx=4, class_token_position="middle"), bb, SHAPES,
+                 generator=torch.Generator().manual_seed(2))
     feats = image_features(bb)
     with torch.no_grad():
         assert not torch.allclose(fresh(feats), trained(feats))
@@ -324,4 +325,4 @@ def test_prompt_longer_than_the_context_names_the_class(cards):
 def test_coop_is_registered():
     assert ADAPTERS["coop"].config_cls is CoOpConfig and ADAPTERS["coop"].adapter_cls is CoOp
     adapter = build_adapter(CoOpConfig(n_ctx=2), backbone("toy-clip"), SHAPES, ["a photo of a {}."])
-    assert isinstance(adapter, CoOp) and adapter.uses_text_tower and not adapter.closed_form
+    assert isinstance(adapter, CoOp) and adapter.uses_text_tower and adapter.trained_by == "loop"

@@ -13,7 +13,7 @@ import fewclip.runs
 from fewclip.cli import main
 from fewclip.config import ConfigError
 from fewclip.engine import COOP_EPOCHS, TrainConfig, cosine_lr, epochs_for
-from fewclip.runs import load_sweep_config, plan_sweep
+from fewclip.runs import load_sweep_config, load_train_config, plan_sweep
 
 TRAIN = ["train", "adapter=coop", "data=toy-shapes", "shots=1", "seed=1", "train.epochs=3", "adapter.n_ctx=4",
          "data.max_test=40"]
@@ -165,14 +165,21 @@ sweep:
 """
 
 
-def test_sweep_config_takes_variant_labels_and_zeroshot_skips_training_keys(tmp_path):
+def test_sweep_config_takes_variant_labels_and_zeroshot_runs_once_at_zero_shots(tmp_path):
     spec = tmp_path / "tiny.yaml"
     spec.write_text(SWEEP + "  backbone_args:\n    toy-clip: [backbone.device=cpu]\n")
     cfg = load_sweep_config([str(spec), "sweep.seeds=[3]"])
     assert cfg.sweep.variants == {"coop": ["adapter=coop", "adapter.n_ctx=4"]} and cfg.sweep.seeds == [3]
-    runs = {r["dir"].as_posix(): r["args"] for r in plan_sweep(cfg.sweep)}
-    assert runs["toy-clip/toy-shapes/zeroshot"] == ["backbone=toy-clip", "data=toy-shapes", "backbone.device=cpu",
-                                                    "data.max_test=40"]
+    plan = plan_sweep(cfg.sweep)
+    runs = {r["dir"].as_posix(): r["args"] for r in plan}
+    # zeroshot is an adapter that trains on nothing: one run per backbone and dataset, at 0 shots; the
+    # sweep's training keys parse for it too (it ignores them)
+    assert [r["dir"].as_posix() for r in plan if r["method"] == "zeroshot"] == ["toy-clip/toy-shapes/zeroshot"]
+    zs = runs["toy-clip/toy-shapes/zeroshot"]
+    assert zs == ["backbone=toy-clip", "data=toy-shapes", "backbone.device=cpu", "train.epochs=2", "data.max_test=40",
+                  "adapter=zeroshot", "shots=0"]
+    zs_cfg = load_train_config(zs)
+    assert (zs_cfg.adapter.name, zs_cfg.shots, zs_cfg.data.max_test) == ("zeroshot", 0, 40)
     assert runs["toy-clip/toy-shapes/coop/1shot/seed3"] == [
         "backbone=toy-clip", "data=toy-shapes", "backbone.device=cpu", "train.epochs=2", "data.max_test=40",
         "adapter=coop", "adapter.n_ctx=4", "shots=1", "seed=3"]
@@ -239,3 +246,128 @@ def test_sweep_typo_fails_before_any_run(edit, key, tmp_path, capsys):
     err = capsys.readouterr().err
     assert key in err and "sweep run" in err
     assert not finished(out) and not (out / "toy-clip").exists()  # no run started
+
+
+# ---------------------------------------------------------------- the feature pipeline
+
+
+def test_crop_box_draws_what_torchvision_draws():
+    """Our RandomResizedCrop box from a generator equals torchvision's from the global RNG with the same seed."""
+    from PIL import Image
+    from torchvision.transforms import RandomResizedCrop
+
+    from fewclip.features import crop_box
+
+    image = Image.new("RGB", (40, 30))
+    for seed in range(20):
+        for scale in ((0.08, 1.0), (0.9, 1.0)):
+            with torch.random.fork_rng():
+                torch.manual_seed(seed)
+                want = RandomResizedCrop.get_params(image, list(scale), [3 / 4, 4 / 3])
+            assert crop_box(30, 40, scale, (3 / 4, 4 / 3), torch.Generator().manual_seed(seed)) == want
+
+
+def test_a_view_is_a_function_of_seed_index_and_image(shapes):
+    from fewclip.backbones import BackboneConfig, load_backbone
+    from fewclip.features import Augment, View
+
+    bb = load_backbone(BackboneConfig(name="toy-clip", device="cpu"))
+    aug = Augment.for_run(bb, shapes)
+    assert (aug.scale_min, aug.hflip, aug.size) == (shapes.min_crop_scale, shapes.hflip_ok, bb.image_size)
+    a, b = shapes.items("train")[:2]
+    img_a, img_b = shapes.load_image(a), shapes.load_image(b)
+    state = torch.random.get_rng_state()
+    first = View(aug, 1, 0)(img_a, a)
+    View(aug, 1, 0)(img_b, b)  # asking for another image in between changes nothing
+    assert torch.equal(View(aug, 1, 0)(img_a, a), first)
+    assert not torch.equal(View(aug, 1, 1)(img_a, a), first)  # another view
+    assert not torch.equal(View(aug, 2, 0)(img_a, a), first)  # another run seed
+    assert torch.equal(torch.random.get_rng_state(), state)  # torch's global RNG untouched
+
+
+def test_faithful_mode_sees_the_pixels_of_the_cached_views(tmp_path):
+    """Fresh augmentation every step (augment_views=0) and K >= epochs cached views train on the same pixels:
+    the same loss curve and context, up to the rounding of encoding images in other batches."""
+    outs = {}
+    for views in (0, 3):
+        out = tmp_path / f"views{views}"
+        assert main([*TRAIN, "train.epochs=3", f"train.augment_views={views}", f"out={out}"]) == 0
+        outs[views] = (read(out / "metrics.json"), load_file(str(out / "adapter.safetensors"))["ctx"])
+    (fresh, ctx_fresh), (cached, ctx_cached) = outs[0], outs[3]
+    assert fresh["loss_curve"] == pytest.approx(cached["loss_curve"], rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(ctx_fresh, ctx_cached, rtol=1e-4, atol=1e-6)
+    # faithful: every step encodes its batch (3 epochs of the 8 images); cached: 3 views once; and the test
+    # images (no validation images: train.select=last does not look at them)
+    assert fresh["images_encoded"] == cached["images_encoded"] == 3 * 8 + 40
+
+
+def test_unaugmented_training_and_cost_record(tmp_path):
+    out = tmp_path / "plain"
+    assert main([*TRAIN, "train.augment=false", f"out={out}"]) == 0
+    m = read(out / "metrics.json")
+    assert m["images_encoded"] == 8 + 40 and m["images_encoded_shared"] == 0  # plain train images, test
+    for key in ("wall_time_s", "train_time_s", "peak_rss_mib", "trainable_parameters"):
+        assert isinstance(m[key], (int, float)) and m[key] > 0, key
+    assert m["peak_cuda_mib"] is None and m["wall_time_s"] >= m["train_time_s"]
+    assert isinstance(m["peak_rss_reset"], bool)
+
+
+def test_a_run_leaves_the_global_rng_alone(tmp_path, shapes):
+    """Library code never reseeds torch's global RNG: CoOp's init and LoRA's init and dropout draw from the run's
+    generator (LoRA's through a fork of the global RNG), and the run is still deterministic."""
+    from fewclip.backbones import load_backbone
+    from fewclip.runs import run_train
+
+    backbone = None
+    metrics = []
+    for i, args in enumerate([TRAIN[1:], TRAIN[1:],
+                              ["adapter=lora", "data=toy-shapes", "shots=1", "train.iterations=2", "data.max_test=8",
+                               "adapter.towers=vision", "train.select=val"]]):
+        cfg = load_train_config([*args, "backbone.device=cpu"])
+        backbone = backbone or load_backbone(cfg.backbone)  # (open_clip draws its init from the global RNG)
+        torch.manual_seed(1234)
+        state = torch.random.get_rng_state()
+        metrics.append(run_train(cfg, tmp_path / str(i), backbone=backbone, dataset=shapes))
+        assert torch.equal(torch.random.get_rng_state(), state)
+    assert metrics[0]["loss_curve"] == metrics[1]["loss_curve"]
+    lora = metrics[2]
+    assert lora["steps"] == 2 and 0 <= lora["selected_val_top1"] <= 100
+    # the adapted image tower re-encodes: 2 steps of 8 images, validation after each of the 2 epochs, the test
+    assert lora["images_encoded"] == 2 * 8 + 2 * 8 + 8 and lora["images_encoded_shared"] == 0
+
+
+def test_make_optimizer():
+    from fewclip.engine import make_optimizer
+
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    sgd = make_optimizer(p, TrainConfig(lr=0.1, momentum=0.8, weight_decay=0.01))
+    assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["momentum"] == 0.8 and sgd.defaults["lr"] == 0.1
+    adamw = make_optimizer(p, TrainConfig(optimizer="adamw", lr=1e-3, eps=1e-4, weight_decay=0.0))
+    assert isinstance(adamw, torch.optim.AdamW) and adamw.defaults["eps"] == 1e-4  # Tip-Adapter-F's setting
+    with pytest.raises(ValueError, match="train.eps"):
+        TrainConfig(eps=0.0)
+
+
+def test_zeroshot_is_an_adapter_and_every_run_scores_the_same_test_subset(tmp_path, shapes):
+    """`fewclip zeroshot` is a run of the zeroshot adapter (no split, no tensors); whatever the seed, it scores
+    the test subset every run scores (TEST_SUBSET_SEED), with evaluate_zeroshot's numbers."""
+    from fewclip.backbones import BackboneConfig, load_backbone
+    from fewclip.zeroshot import TEST_SUBSET_SEED, evaluate_zeroshot, test_items
+
+    got = {}
+    for seed in (1, 5):
+        out = tmp_path / f"zs{seed}"
+        assert main(["zeroshot", "data=toy-shapes", "data.max_test=40", f"seed={seed}", "backbone.device=cpu",
+                     f"out={out}"]) == 0
+        got[seed] = read(out / "metrics.json")
+        assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "metrics.json"]
+        assert (got[seed]["method"], got[seed]["shots"], got[seed]["trainable_parameters"]) == ("zeroshot", 0, 0)
+        assert got[seed]["images_encoded"] == 40 and got[seed]["train_time_s"] == 0
+    assert (got[1]["top1"], got[1]["per_class"]) == (got[5]["top1"], got[5]["per_class"])
+    bb = load_backbone(BackboneConfig(name="toy-clip", device="cpu"))
+    ref = evaluate_zeroshot(bb, shapes, templates="ensemble", max_test=40)
+    assert (ref["top1"], ref["per_class"], ref["n_test"]) == (got[1]["top1"], got[1]["per_class"], 40)
+    from fewclip.datasets import subsample_test
+
+    assert test_items(shapes, 40) == subsample_test(shapes.items("test"), 40, TEST_SUBSET_SEED)
+    assert test_items(shapes, 40) != subsample_test(shapes.items("test"), 40, 5)  # the seed would matter

@@ -13,16 +13,8 @@ from fewclip.adapters import build_adapter
 from fewclip.backbones import BackboneConfig, load_backbone
 from fewclip.cli import main
 from fewclip.datasets import DataConfig, build_dataset, read_split
-from fewclip.export import (
-    FORMAT_VERSION,
-    METADATA_KEY,
-    ExportError,
-    backbone_identity,
-    check_backbone,
-    export_run,
-    load_prompts,
-    read_prompts,
-)
+from fewclip.adapters.coop_export import FORMAT_VERSION, read_prompts
+from fewclip.export import METADATA_KEY, ExportError, backbone_identity, check_backbone, export_run, load_prompts
 from fewclip.runs import load_train_config
 
 N_CTX, K = 4, 3
@@ -52,7 +44,7 @@ def backbone():
 @pytest.fixture(scope="module")
 def prompts(runs, backbone):
     """The unified run exported with the library function."""
-    done = export_run(runs["unified"], nearest_k=K, backbone=backbone)
+    done = export_run(runs["unified"], nearest=K, backbone=backbone)
     assert done.path == runs["unified"] / "prompts.safetensors"
     return done.path
 
@@ -212,7 +204,7 @@ def test_with_classnames_unified_is_consistent(clf, test_images):
 
 
 def test_with_classnames_csc_refuses_new_names(runs, backbone, tmp_path):
-    done = export_run(runs["csc"], tmp_path / "csc.safetensors", nearest_k=K, backbone=backbone)
+    done = export_run(runs["csc"], tmp_path / "csc.safetensors", nearest=K, backbone=backbone)
     words = done.meta["nearest_words"]
     assert len(words) == 8 and all(len(g) == 2 and all(len(w) == K for w in g) for g in words)
     csc = load_prompts(done.path, backbone=backbone)
@@ -312,7 +304,7 @@ def test_with_classnames_refuses_a_string_one_class_and_duplicates(clf):
 
 
 def test_prompt_file_of_another_width_is_refused(prompts, backbone, tmp_path):
-    from fewclip.export import check_widths
+    from fewclip.adapters.coop_export import check_widths
 
     tensors, _ = read_prompts(prompts)
     check_widths(tensors, backbone, prompts)

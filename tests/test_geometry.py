@@ -221,6 +221,56 @@ def test_hyperbolic_prototype_is_exp_of_mean_log():
     assert_close(geo.prototype(torch.stack([one[:, 0], -one[:, 0]], dim=1)), torch.zeros(2, 2), tol=1e-9)
 
 
+# -- the linear space and image logits ----------------------------------------
+
+
+def test_linear_space_by_hand():
+    v = t([3.0, 4.0], [0.0, -2.0])
+    for name in ("clip", "elliptic", "sigmoid"):  # the sphere's ambient R^D: from_linear normalises
+        geo = make_geometry(name)
+        assert_close(geo.from_linear(v), [[0.6, 0.8], [0.0, -1.0]])
+        unit = geo.from_linear(v)
+        assert torch.equal(geo.to_linear(unit), unit)
+    for name in ("euclidean", "euclidean_sq"):  # R^D itself
+        geo = make_geometry(name)
+        assert torch.equal(geo.to_linear(v), v) and torch.equal(geo.from_linear(v), v)
+    for name in ("hyperbolic", "hyperbolic_sq"):  # tangent space at the origin: log and exp maps
+        geo = make_geometry(name, curvature=0.5)
+        assert_close(geo.from_linear(v), G.exp_map0(v, 0.5), tol=1e-12)
+        assert_close(geo.to_linear(geo.from_linear(v)), v, tol=1e-9)
+        # the space part of exp_map0(v) has norm sinh(sqrt(c) |v|) / sqrt(c); |v| = 5 for the first row
+        r = math.sqrt(0.5) * 5.0
+        assert_close(geo.from_linear(v)[0].norm(), math.sinh(r) / math.sqrt(0.5), tol=1e-9)
+
+
+@pytest.mark.parametrize("name", sorted(GEOMETRIES))
+def test_every_geometry_owns_its_linear_space(name):
+    geo = make_geometry(name)
+    points = geo.embed_text(torch.randn(4, 6, generator=torch.Generator().manual_seed(0)))
+    assert_close(geo.from_linear(geo.to_linear(points)), points, tol=1e-5)
+    half = geo.to_linear(points.half())
+    assert half.dtype == torch.float32  # like the other public methods: full precision
+
+
+def test_a_geometry_without_a_linear_space_says_so():
+    class Flat(G.EuclideanGeometry):
+        name = "flat-test"
+
+        def _to_linear(self, points):
+            return G.Geometry._to_linear(self, points)
+
+    with pytest.raises(NotImplementedError, match="'flat-test' does not define its linear space"):
+        Flat().to_linear(t([1.0, 2.0]))
+
+
+@pytest.mark.parametrize("name", sorted(GEOMETRIES))
+def test_image_logits_embed_then_compare(name):
+    geo = make_geometry(name)
+    g = torch.Generator().manual_seed(1)
+    raw, protos = torch.randn(3, 5, generator=g), geo.embed_text(torch.randn(2, 5, generator=g))
+    torch.testing.assert_close(geo.image_logits(raw, protos), geo.logits(geo.embed_image(raw), protos))
+
+
 # -- contrastive losses -----------------------------------------------------
 
 

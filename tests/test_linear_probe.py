@@ -18,7 +18,8 @@ from fewclip.adapters.linear_probe import (
 )
 from fewclip.backbones import REFERENCE_DIR, Backbone, BackboneConfig, build_open_clip_model, load_backbone
 from fewclip.datasets import DataConfig, build_dataset, make_few_shot_split
-from fewclip.features import extract_features, text_prototypes
+from fewclip.engine import FitData, TrainConfig
+from fewclip.features import Features, extract_features, text_prototypes
 from fewclip.geometry import GEOMETRIES, make_geometry
 from fewclip.tokenizer import WordTokenizer
 from fewclip.zeroshot import zeroshot_logits
@@ -30,6 +31,12 @@ N_TEST = 400  # toy-shapes test images used (50 per class)
 
 def top1(logits, y):
     return 100.0 * float((logits.argmax(-1) == y).double().mean())
+
+
+def fit_data(train, val=None):
+    """What the engine hands a fit-style adapter; no validation images without ``val``."""
+    val = Features(*val) if val is not None else Features.empty(train[0].shape[1])
+    return FitData(Features(*train), [], val, TrainConfig(), 16, torch.Generator().manual_seed(0))
 
 
 # -- fixtures: toy backbones and cached toy-shapes features ------------------
@@ -162,8 +169,8 @@ def test_probe_features_by_geometry(geometry):
 def test_linear_probe_on_toy_shapes(toy, shapes):
     bb, train, val, test = toy["toy-clip"]
     probe = build_adapter(LinearProbeConfig(), bb, shapes.classnames, shapes.templates)
-    assert probe.closed_form and isinstance(probe, LinearProbe)
-    info = probe.fit(*train, *val)
+    assert probe.trained_by == "fit" and isinstance(probe, LinearProbe)
+    info = probe.fit(fit_data(train, val))
     assert set(info) >= {"C", "val_acc", "iterations"}
     assert 1e-6 <= info["C"] <= 1e6 and info["val_acc"] >= max(a for _, a in info["search"])
     with torch.no_grad():
@@ -175,7 +182,7 @@ def test_linear_probe_refit_on_train_and_val(toy, shapes):
     bb, train, val, _ = toy["toy-euclip"]
     cfg = LinearProbeConfig(c_min=1.0, c_max=1.0, refit="train+val")
     probe = build_adapter(cfg, bb, shapes.classnames, shapes.templates)
-    info = probe.fit(*train, *val)
+    info = probe.fit(fit_data(train, val))
     W, b, _ = fit_logistic(probe_features(bb.geometry, torch.cat([train[0], val[0]])).double(),
                            torch.cat([train[1], val[1]]), len(shapes.classnames), 1.0)
     assert info["C"] == 1.0 and info["refit"] == "train+val"
@@ -186,9 +193,9 @@ def test_linear_probe_needs_validation_images(toy, shapes):
     bb, train, _, _ = toy["toy-clip"]
     probe = build_adapter(LinearProbeConfig(), bb, shapes.classnames, shapes.templates)
     with pytest.raises(ValueError, match="validation"):
-        probe.fit(*train, None, None)
+        probe.fit(fit_data(train))
     fixed = build_adapter(LinearProbeConfig(c_min=0.1, c_max=0.1), bb, shapes.classnames, shapes.templates)
-    info = fixed.fit(*train, None, None)  # a fixed C needs no validation
+    info = fixed.fit(fit_data(train))  # a fixed C needs no validation
     assert info["C"] == pytest.approx(0.1) and info["val_acc"] is None
 
 
@@ -223,7 +230,7 @@ def test_zs_probe_fit_never_below_zero_shot_on_val(name, toy, shapes):
     assert not any(p.requires_grad for p in bb.parameters())
     with torch.no_grad():
         zs_val = top1(probe(val[0]), val[1])
-    info = probe.fit(*train, *val)
+    info = probe.fit(fit_data(train, val))
     with torch.no_grad():
         val_acc = top1(probe(val[0]), val[1])
     assert info["zeroshot_val_acc"] == pytest.approx(zs_val)
@@ -236,7 +243,7 @@ def test_zs_probe_fit_never_below_zero_shot_on_val(name, toy, shapes):
 def test_zs_probe_without_validation_keeps_the_last_step(toy, shapes):
     bb, train, _, _ = toy["toy-clip"]
     probe = build_adapter(ZSProbeConfig(epochs=5), bb, shapes.classnames, shapes.templates)
-    info = probe.fit(*train, None, None)
+    info = probe.fit(fit_data(train))
     assert info["best_epoch"] == 5 and info["val_acc"] is None
     assert not torch.equal(probe.weight, probe.init)
 
@@ -250,7 +257,7 @@ def test_zs_probe_without_validation_keeps_the_last_step(toy, shapes):
 def test_state_dict_round_trip(cfg, name, toy, shapes):
     bb, train, val, test = toy[name]
     probe = build_adapter(cfg, bb, shapes.classnames, shapes.templates)
-    probe.fit(*train, *val)
+    probe.fit(fit_data(train, val))
     sd = probe.adapter_state_dict()
     assert set(sd) == ({"weight", "bias"} if cfg.name == "linear_probe" else {"weight"})
     fresh = build_adapter(cfg, bb, shapes.classnames, shapes.templates)

@@ -249,3 +249,17 @@ def test_export_refuses_another_backbone(lora_run, tmp_path):
     folder = export_run(out, tmp_path / "x").path
     with pytest.raises(ExportError, match="another backbone"):
         load_prompts(folder, device="cpu", backbone_overrides={"name": "toy-meru"})
+
+
+def test_init_draws_from_the_generator_not_the_global_rng():
+    """peft draws LoRA's A matrices from torch's global RNG: the adapter runs it on a fork seeded from its
+    generator, so the same generator gives the same A, another gives another, and the caller's RNG never moves."""
+    bb = backbone("toy-clip")
+    state = torch.random.get_rng_state()
+    a1, a2, b = (LoRA(LoRAConfig(towers="text"), bb, NAMES, TEMPLATES, generator=torch.Generator().manual_seed(s))
+                 for s in (1, 1, 2))
+    assert torch.equal(torch.random.get_rng_state(), state)
+    sd1, sd2, sdb = a1.adapter_state_dict(), a2.adapter_state_dict(), b.adapter_state_dict()
+    a_keys = [k for k in sd1 if k.endswith("A.weight")]
+    assert a_keys and all(torch.equal(sd1[k], sd2[k]) for k in sd1)
+    assert all(not torch.equal(sd1[k], sdb[k]) for k in a_keys)

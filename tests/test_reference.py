@@ -13,7 +13,7 @@ from fewclip.datasets import DataConfig, build_dataset
 from fewclip.datasets.protocols import plan_base2new
 from fewclip.datasets.toytasks import TASKS
 from fewclip.pretrain import RECIPES, TOY_MEAN, TOY_STD, PretrainConfig, batch_tensors, pretrain, save_reference
-from fewclip.zeroshot import evaluate_zeroshot
+from fewclip.zeroshot import TEST_SUBSET_SEED, evaluate_zeroshot
 
 RECORD = REFERENCE_DIR / "zeroshot.json"
 RERUN = "rerun `python scripts/record_reference_zeroshot.py` if the change is intended"
@@ -60,7 +60,7 @@ def test_record_covers_every_card_and_task(record):
     assert set(record["top1"]) == set(shipped_cards()), RERUN
     for card, row in record["top1"].items():
         assert set(row) == set(TASKS), f"{card}: recorded tasks differ from the toy tasks; {RERUN}"
-    assert record["subset"]["max_test"] == 200 and record["subset"]["seed"] == 1
+    assert record["subset"]["max_test"] == 200 and record["subset"]["seed"] == TEST_SUBSET_SEED
     assert "scripts/record_reference_zeroshot.py" in record["command"]
     b2n = record["base2new"]
     assert b2n["task"] in TASKS and set(b2n["top1"]) == set(shipped_cards()), RERUN
@@ -75,7 +75,7 @@ def test_zeroshot_accuracy_is_as_recorded(name, record, toy_datasets):
     assert bb.weights_sha256 == record["weights_sha256"][name], f"{name}: weights changed since recording; {RERUN}"
     got, want = {}, {}
     for task, ds in toy_datasets.items():
-        m = evaluate_zeroshot(bb, ds, templates=subset["templates"], max_test=subset["max_test"], seed=subset["seed"])
+        m = evaluate_zeroshot(bb, ds, templates=subset["templates"], max_test=subset["max_test"])
         assert m["n_test"] == subset["n_test"][task]
         got[task], want[task] = round(m["top1"], 2), record["top1"][name][task]
     assert got == want, f"{name}: zero-shot top-1 moved; {RERUN}"
@@ -87,7 +87,7 @@ def test_zeroshot_accuracy_is_as_recorded(name, record, toy_datasets):
     halves = {e.name: e.dataset for e in plan_base2new(toy_datasets[b2n["task"]]).evals}
     got = {}
     for half, ds in halves.items():
-        m = evaluate_zeroshot(bb, ds, templates=subset["templates"], max_test=subset["max_test"], seed=subset["seed"])
+        m = evaluate_zeroshot(bb, ds, templates=subset["templates"], max_test=subset["max_test"])
         assert m["n_test"] == b2n["n_test"][half]
         got[half] = round(m["top1"], 2)
     assert got == b2n["top1"][name], f"{name}: base-to-novel zero-shot moved; {RERUN}"

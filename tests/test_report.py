@@ -182,3 +182,45 @@ def test_empty_dir_raises(tmp_path):
     (tmp_path / "run1" / "metrics.json").write_text("{}")
     with pytest.raises(NoRunsFoundError, match="1 metrics.json file"):
         build_report(tmp_path)
+
+
+def test_cost_table_and_figure(tmp_path):
+    """Runs that record their cost get a cost table (means over datasets and seeds, beside the average top-1) and
+    a cost-vs-accuracy figure; runs without one are left out of it."""
+    def cost(train, wall, images, rss, params, cuda=None):
+        return dict(train_time_s=train, wall_time_s=wall, images_encoded=images, peak_rss_mib=rss,
+                    peak_cuda_mib=cuda, trainable_parameters=params)
+
+    add_run(tmp_path, "zeroshot", "shapes", 0, 1, 50.0, **cost(0.0, 0.5, 40, 700.0, 0))
+    add_run(tmp_path, "zeroshot", "colors", 0, 1, 40.0, **cost(0.0, 0.7, 40, 702.0, 0))
+    add_run(tmp_path, "coop", "shapes", 4, 1, 70.0, **cost(2.0, 3.0, 100, 800.0, 1024))
+    add_run(tmp_path, "coop", "shapes", 4, 2, 72.0, **cost(4.0, 5.0, 100, 810.0, 1024))
+    add_run(tmp_path, "coop", "colors", 4, 1, 60.0, **cost(6.0, 7.0, 130, 820.0, 1024))
+    add_run(tmp_path, "lora", "shapes", 4, 1, 75.0, **cost(30.0, 31.0, 5000, 900.0, 5376, cuda=512.0))
+    add_run(tmp_path, "lora", "colors", 4, 1, 65.0, **cost(32.0, 33.0, 5000, 910.0, 5376, cuda=514.0))
+    add_run(tmp_path, "linear_probe", "shapes", 4, 1, 66.0)  # an older run: no cost recorded
+    report = write_report(tmp_path, tmp_path / "out")
+    by = {(c.method, c.shots): c for c in report.costs}
+    assert set(by) == {("zeroshot", 0), ("coop", 4), ("lora", 4)}
+    coop = by[("coop", 4)]
+    assert (coop.n, coop.train_time_s, coop.wall_time_s, coop.images_encoded, coop.peak_memory_mib) == \
+        (3, 4.0, 5.0, 110.0, 810.0)
+    assert coop.trainable_parameters == 1024 and coop.memory == "rss"
+    assert coop.top1 == pytest.approx((71.0 + 60.0) / 2)  # the average row: mean of the dataset means
+    assert by[("lora", 4)].peak_memory_mib == 513.0 and by[("lora", 4)].memory == "cuda"  # the CUDA peak
+    md = report.markdown
+    assert "### Cost, `toy-clip`" in md
+    cost_section = md[md.index("### Cost"):]
+    table = [[cell.strip() for cell in line.strip("|").split("|")] for line in cost_section.splitlines()
+             if line.startswith("| ")]
+    header = table[0]
+    row = dict(zip(header, next(r for r in table if r[0] == "coop")))
+    assert row == {"Method": "coop", "Shots": "4", "Trainable params": "1,024", "Train time (s)": "4.00",
+                   "Wall time (s)": "5.00", "Images encoded": "110", "Peak memory (MiB)": "810",
+                   "Top-1 (%)": "65.50", "Runs": "3"}
+    assert "![cost vs. accuracy, toy-clip](cost_vs_accuracy.png)" in md
+    png = tmp_path / "out" / "cost_vs_accuracy.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads((tmp_path / "out" / "report.json").read_text())["backbones"]["toy-clip"]["cost"]
+    assert data["coop"]["4"]["train_time_s"] == 4.0 and data["coop"]["4"]["runs"] == 3
+    assert data["zeroshot"]["0"]["images_encoded"] == 40.0

@@ -199,6 +199,18 @@ def check_finished(out: Path):
     assert not leftovers(out), leftovers(out)
 
 
+def accuracy_part(report: Path, out: Path) -> str:
+    """report.md without its cost sections (``### Cost, ...`` up to the next heading of the same or a higher level)."""
+    kept, skipping = [], False
+    for line in report.read_text().replace(str(out), "OUT").splitlines():
+        if line.startswith("#"):
+            skipping = line.startswith("### Cost")
+        if not skipping:
+            kept.append(line)
+    assert not any("Cost" in line for line in kept)
+    return "\n".join(kept)
+
+
 def crash_test(tmp_path, kills, seed):
     spec = tmp_path / "s.yaml"
     spec.write_text(SWEEP)
@@ -209,8 +221,8 @@ def crash_test(tmp_path, kills, seed):
     check_finished(ref)
     check_finished(killed)
     assert (killed / "report.csv").read_bytes() == (ref / "report.csv").read_bytes()
-    assert (killed / "report.md").read_text().replace(str(killed), "OUT") == \
-        (ref / "report.md").read_text().replace(str(ref), "OUT")
+    # the accuracy tables agree to the byte; the cost tables (times, memory) are measurements and differ
+    assert accuracy_part(killed / "report.md", killed) == accuracy_part(ref / "report.md", ref)
     for r in RUNS:  # the same numbers, run by run, and the same identity
         a, b = (json.loads((d / r / "metrics.json").read_text()) for d in (ref, killed))
         assert (a["top1"], a["per_class"], a.get("loss_curve")) == (b["top1"], b["per_class"], b.get("loss_curve"))

@@ -1,6 +1,6 @@
 """Exported LoRA runs: peft's own format plus fewclip's metadata, or one merged open_clip state dict.
 
-``fewclip export RUN_DIR`` (``fewclip.export.export_run``) on a LoRA run writes a folder::
+``fewclip export RUN_DIR [merge=true]`` (``fewclip.export.export_run``) on a LoRA run writes a folder::
 
     RUN_DIR/export/
       adapter_model.safetensors   the LoRA A/B matrices, peft's key names
@@ -26,11 +26,11 @@ The merged file needs no fewclip and no peft::
 and then classifies zero-shot with the run's templates (``fewclip.json``:
 ``templates``, ``classnames``) in the backbone's geometry.
 
-``fewclip.json`` holds ``format`` ("fewclip.lora"), ``format_version``,
-``fewclip_version``, ``backbone`` (name, source, weights checksum, config
-section), ``geometry`` (name, params), ``preprocess``, ``tokenizer``,
-``classnames``, ``templates``, ``lora`` (the adapter config), ``trainable_parameters``
-and ``run`` (dir, dataset, shots, seed, top1).
+``fewclip.json`` holds what every fewclip export carries (``format`` =
+"fewclip.lora", ``format_version``, ``fewclip_version``, ``backbone``,
+``geometry``, ``preprocess``, ``tokenizer``, ``classnames``, ``run``: see
+``fewclip.export``) and ``templates``, ``lora`` (the adapter config) and
+``trainable_parameters``.
 """
 from __future__ import annotations
 
@@ -41,62 +41,28 @@ from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
 
-from .export import ExportError, Exported, PromptClassifier, backbone_from_metadata, backbone_metadata, check_backbone
+from fewclip.export import METADATA_KEY, META_FILE, ExportError, PrototypeClassifier
+
+from .base import ExportFormat
 
 log = logging.getLogger(__name__)
 
 FORMAT = "fewclip.lora"
 FORMAT_VERSION = 1
-META_FILE = "fewclip.json"
 MERGED_FILE = "merged.safetensors"
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
 
 
-def is_lora_export(path: Union[str, Path]) -> bool:
-    """A LoRA export folder, or a merged file whose metadata says so."""
-    path = Path(path)
-    if path.is_dir():
-        return (path / META_FILE).is_file()
-    if path.suffix == ".safetensors" and path.is_file():
-        try:
-            from safetensors import safe_open
-
-            with safe_open(str(path), "pt") as f:
-                meta = (f.metadata() or {}).get("fewclip")
-            return bool(meta) and json.loads(meta).get("format") == FORMAT
-        except Exception:
-            return False
-    return False
-
-
-def lora_metadata(adapter, *, backbone_cfg=None, run: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    from dataclasses import asdict
-
-    from . import __version__
-
-    bb = adapter.backbone
-    return {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "fewclip_version": __version__,
-        **backbone_metadata(bb, backbone_cfg),
-        "classnames": list(adapter.classnames),
-        "templates": list(adapter.templates),
-        "lora": asdict(adapter.cfg),
-        "trainable_parameters": int(adapter.trainable_parameter_count()),
-        "run": dict(run or {}),
-    }
-
-
-def export_lora(adapter, out: Union[str, Path], *, merge: bool = False, backbone_cfg=None,
-                run: Optional[Dict[str, Any]] = None) -> Exported:
-    """Write a LoRA adapter to the folder ``out`` (see the module docstring); returns (folder, metadata)."""
+def export_lora(adapter, out: Union[str, Path], meta: Dict[str, Any], *, merge: bool = False) -> Dict[str, Any]:
+    """Write a LoRA adapter to the folder ``out`` (see the module docstring); ``meta`` is the metadata every
+    export carries, to which the templates and the LoRA config are added. Returns the metadata written."""
     import tempfile
+    from dataclasses import asdict
 
     from safetensors.torch import save_file
 
-    from .io import atomic_write, atomic_write_text
+    from fewclip.io import atomic_write, atomic_write_text
 
     out = Path(out)
     if out.suffix == ".safetensors":
@@ -105,7 +71,8 @@ def export_lora(adapter, out: Union[str, Path], *, merge: bool = False, backbone
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out} exists and is not a folder; a LoRA export is a folder")
     out.mkdir(parents=True, exist_ok=True)
-    meta = lora_metadata(adapter, backbone_cfg=backbone_cfg, run=run)
+    meta = {**meta, "templates": list(adapter.templates), "lora": asdict(adapter.cfg),
+            "trainable_parameters": int(adapter.trainable_parameter_count())}
     with tempfile.TemporaryDirectory(dir=out) as tmp:  # peft writes its files; move each in atomically
         adapter.save_peft(tmp)
         for name in (PEFT_WEIGHTS, PEFT_CONFIG):
@@ -115,9 +82,9 @@ def export_lora(adapter, out: Union[str, Path], *, merge: bool = False, backbone
             src.replace(out / name)
     if merge:
         sd = adapter.merged_state_dict()
-        atomic_write(out / MERGED_FILE, lambda tmp: save_file(sd, tmp, metadata={"fewclip": json.dumps(meta)}))
+        atomic_write(out / MERGED_FILE, lambda tmp: save_file(sd, tmp, metadata={METADATA_KEY: json.dumps(meta)}))
     atomic_write_text(out / META_FILE, json.dumps(meta, indent=2))
-    return Exported(out, meta)
+    return meta
 
 
 def summary(path: Union[str, Path], meta: Dict[str, Any]) -> str:
@@ -144,7 +111,7 @@ def summary(path: Union[str, Path], meta: Dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------
 
 
-class LoRAClassifier(PromptClassifier):
+class LoRAClassifier(PrototypeClassifier):
     """Images -> class logits on a backbone whose weights have the LoRA updates merged in.
 
     The prototypes are the zero-shot prototypes of the run's templates through the
@@ -153,13 +120,11 @@ class LoRAClassifier(PromptClassifier):
 
     def __init__(self, backbone, meta: Dict[str, Any], path: Optional[Path] = None,
                  classnames: Optional[Sequence[str]] = None):
-        from .features import text_prototypes
+        from fewclip.features import text_prototypes
 
         names = list(classnames if classnames is not None else meta["classnames"])
-        protos = text_prototypes(backbone, names, meta["templates"])
-        empty = torch.empty(0)
-        super().__init__(backbone, {"ctx": empty, "prototypes": protos, "text_features": empty},
-                         {**meta, "classnames": names}, path)
+        super().__init__(backbone, {**meta, "classnames": names}, text_prototypes(backbone, names, meta["templates"]),
+                         path)
 
     def __repr__(self) -> str:
         lo = self.meta["lora"]
@@ -173,66 +138,23 @@ class LoRAClassifier(PromptClassifier):
         return LoRAClassifier(self.backbone, self.meta, self.path, names)
 
 
-# Keys of fewclip.json (or the merged file's metadata) and what each must be.
-_REQUIRED = {"format": str, "format_version": int, "backbone": dict, "geometry": dict, "classnames": list,
-             "templates": list, "lora": dict, "preprocess": dict}
-
-
-def _read_meta(path: Path) -> Dict[str, Any]:
-    where = path / META_FILE if path.is_dir() else path
-    try:
-        if path.is_dir():
-            meta = json.loads((path / META_FILE).read_text(encoding="utf-8"))
-        else:
-            from safetensors import safe_open
-
-            with safe_open(str(path), "pt") as f:
-                meta = json.loads((f.metadata() or {})["fewclip"])
-    except (OSError, ValueError, KeyError, UnicodeDecodeError) as e:
-        raise ExportError(f"cannot read {where}: {e}; not a fewclip LoRA export") from None
-    except Exception as e:  # safetensors' own error for a damaged file
-        raise ExportError(f"{where} is damaged or not a safetensors file ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        fmt = meta.get("format") if isinstance(meta, dict) else None
-        raise ExportError(f"{path}: not a fewclip LoRA export (format {fmt!r}, expected {FORMAT!r})")
-    version = meta.get("format_version")
-    if isinstance(version, int) and version > FORMAT_VERSION:
-        raise ExportError(f"{path}: written by a newer fewclip (format version {version}); upgrade fewclip to read it")
-    for key, typ in _REQUIRED.items():
-        if not isinstance(meta.get(key), typ) or isinstance(meta.get(key), bool):
-            raise ExportError(f"{where}: key {key!r} is missing or not a {typ.__name__}; the export is damaged or was "
-                              f"not written by `fewclip export`: export the run again")
-    bb = meta["backbone"]
-    if not bb.get("name") or not (bb.get("weights_sha256") or bb.get("state_sha256")):
-        raise ExportError(f"{where}: backbone needs a name and a weights checksum; export the run again")
-    return meta
-
-
 @torch.no_grad()
-def load_lora_export(path: Union[str, Path], device: str = "auto", *, backbone=None,
-                     backbone_overrides: Optional[Dict[str, Any]] = None) -> LoRAClassifier:
-    """Load a LoRA export folder (peft format) or its merged file into a classifier.
-
-    The backbone named in the metadata is loaded (or ``backbone`` is copied, never changed) and
-    checked against the stored weights checksum; the LoRA updates are then merged into its weights.
-    """
+def load_lora_export(path: Path, meta: Dict[str, Any], backbone) -> LoRAClassifier:
+    """A LoRA export folder (peft format) or its merged file as a classifier (the loader ``fewclip.load_prompts``
+    calls once it has read the metadata and checked ``backbone``): the LoRA updates are merged into the
+    weights of a copy of ``backbone``, which is not changed."""
     import copy
 
     from safetensors.torch import load_file
 
-    from fewclip.adapters.lora import LoRA, LoRAConfig
+    from fewclip.backbones import BackboneError, load_state_dict_strict
 
-    from .backbones import BackboneError, load_state_dict_strict
+    from .lora import LoRA, LoRAConfig
 
-    path = Path(path)
-    if not path.exists():
-        raise ExportError(f"LoRA export not found: {path}")
-    meta = _read_meta(path)
-    if backbone is None:
-        backbone = backbone_from_metadata(meta, path, device, backbone_overrides)
-    else:
-        backbone = copy.deepcopy(backbone)
-    check_backbone(meta, backbone, path)
+    for key, typ in (("templates", list), ("lora", dict)):
+        if not isinstance(meta.get(key), typ):
+            raise ExportError(f"{path}: metadata key {key!r} is missing or not a {typ.__name__}")
+    backbone = copy.deepcopy(backbone)
     if path.is_dir():
         weights = path / PEFT_WEIGHTS
         if not weights.is_file():
@@ -263,3 +185,7 @@ def load_lora_export(path: Union[str, Path], device: str = "auto", *, backbone=N
         raise ExportError(str(e)) from None
     backbone.source = f"{backbone.source} + LoRA {path}"
     return LoRAClassifier(backbone, meta, path)
+
+
+LORA = ExportFormat(name=FORMAT, version=FORMAT_VERSION, default_path="export", write=export_lora,
+                    load=load_lora_export, summary=summary, options={"merge": False})

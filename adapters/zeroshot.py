@@ -1,0 +1,43 @@
+"""Zero-shot: the class prototypes of the prompt templates, nothing learned (the baseline of every table).
+
+Radford et al., 2021: every template is filled with each class name, the text
+tower's outputs are embedded and averaged into one prototype per class by the
+backbone's geometry (``fewclip.features.text_prototypes``), and an image's
+logits are the geometry's comparison of its embedding with the prototypes.
+An adapter with no parameters and nothing to train (``trained_by = None``):
+its runs have ``shots=0`` and no split.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from fewclip.features import text_prototypes
+
+from .base import Adapter, AdapterConfig, register_adapter
+
+
+@dataclass
+class ZeroShotConfig(AdapterConfig):
+    name: str = "zeroshot"
+
+
+class ZeroShot(Adapter):
+    name = "zeroshot"
+    uses_text_tower = True
+    trained_by = None
+
+    def __init__(self, cfg: ZeroShotConfig, backbone, classnames: Sequence[str], templates: Sequence[str], *,
+                 generator: Optional[torch.Generator] = None):  # deterministic: no random draws
+        super().__init__(cfg, backbone, classnames, templates)
+        # Rebuilt from the class names and templates, so not saved.
+        self.register_buffer("prototypes", text_prototypes(backbone, self.classnames, self.templates),
+                             persistent=False)  # [C, D] geometry points
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:  # [B, D] raw -> [B, C]
+        return self.backbone.geometry.image_logits(features, self.prototypes)
+
+
+register_adapter("zeroshot", ZeroShotConfig, ZeroShot)
