@@ -43,6 +43,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Type
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 TRAINED_BY = ("loop", "fit", None)
 
@@ -82,6 +83,34 @@ class Adapter(nn.Module):
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:  # [B, D] raw -> [B, C]
         raise NotImplementedError
+
+    # Whether ``for_classnames`` can score class names the adapter was not trained on (base-to-novel's new
+    # classes, cross-dataset targets): text-side methods can; a per-class weight or cache cannot.
+    supports_new_classes: bool = False
+
+    def training_loss(self, features: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Tensor]:
+        """Loss terms of one training batch (raw image features [B, D], labels [B]), for the engine's loop.
+        ``"loss"`` is what is minimised; other entries (e.g. a regulariser's value) are logged per epoch.
+        Default: cross-entropy of ``forward``. Called under the run's autocast."""
+        return {"loss": F.cross_entropy(self(features).float(), labels)}
+
+    def backward(self, terms: Dict[str, torch.Tensor]) -> None:
+        """Put the gradients of one batch on the trainable parameters (default: ``terms["loss"].backward()``);
+        a method that combines the gradients of several terms (ProGrad) overrides this."""
+        terms["loss"].backward()
+
+    def on_epoch_end(self, epoch: int, epochs: int) -> None:
+        """Called by the engine's loop after training epoch ``epoch`` (0-based) of ``epochs`` (e.g. to
+        aggregate prompts over epochs). Default: nothing."""
+
+    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> "Adapter":
+        """What this adapter learned, applied to other class names (base-to-novel's new classes, a
+        cross-dataset target), as an adapter in eval mode whose ``forward`` scores those classes. The same
+        names in the same order give this adapter itself; other names need ``supports_new_classes``."""
+        if list(classnames) == self.classnames:
+            return self
+        raise AdapterError(f"adapter {self.name!r} learns one weight per trained class and cannot score other "
+                           f"class names; use a method that adapts the text side (e.g. coop) for new classes")
 
     def fit_views(self) -> int:
         """How many augmented views of the training images ``fit`` wants (besides the un-augmented ones):

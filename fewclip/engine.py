@@ -340,7 +340,8 @@ def schedule(cfg: TrainConfig, shots: int, n: int) -> Tuple[int, int, int, int]:
 
 
 def train_loop(adapter, source: FeatureSource, cfg: TrainConfig, shots: int, generator: torch.Generator) -> Dict:
-    """The gradient loop: cross-entropy on ``source``'s batches, ``make_optimizer``, CoOp's cosine schedule;
+    """The gradient loop: the adapter's ``training_loss`` (cross-entropy by default) on ``source``'s batches,
+    its ``backward``, ``make_optimizer``, CoOp's cosine schedule, ``on_epoch_end`` after each epoch;
     ``train.select=val`` keeps the epoch with the best validation accuracy. Batch order comes from ``generator``;
     code that draws from torch's global RNG (dropout) runs on a fork of it seeded from ``generator``."""
     device = adapter.backbone.device
@@ -358,26 +359,28 @@ def train_loop(adapter, source: FeatureSource, cfg: TrainConfig, shots: int, gen
         bar = progress(range(epochs), desc=f"train {adapter.name}", unit="epoch", leave=False)
         for epoch in bar:
             perm = torch.randperm(n, generator=generator)
-            total_loss, seen = 0.0, 0
+            sums, seen = {}, 0
             for b in range(min(per_epoch, total - step)):
                 idx = perm[b * cfg.batch_size : (b + 1) * cfg.batch_size]
                 for g in opt.param_groups:
                     g["lr"] = cosine_lr(step, total, warmup, cfg.lr, cfg.warmup_lr)
                 y = source.labels[idx].to(device)
                 with amp_autocast(device, cfg.amp):
-                    logits = adapter(source.batch(epoch, idx).to(device))
-                loss = F.cross_entropy(logits.float(), y)
+                    terms = adapter.training_loss(source.batch(epoch, idx).to(device), y)
+                loss = terms["loss"]
                 if not torch.isfinite(loss):  # stop: nothing non-finite is trained on, saved or recorded
                     raise NonFiniteError(f"the training loss became {float(loss.detach())} at step {step + 1} "
                                          f"(epoch {epoch + 1}) of {adapter.name}; the run is stopped and not "
                                          f"recorded. Lower train.lr (now {cfg.lr}) or check the data")
                 opt.zero_grad(set_to_none=True)
-                loss.backward()
+                adapter.backward(terms)
                 opt.step()
-                total_loss += float(loss.detach()) * len(idx)
+                for k, v in terms.items():
+                    sums[k] = sums.get(k, 0.0) + float(v.detach()) * len(idx)
                 seen += len(idx)
                 step += 1
-            entry = {"epoch": epoch + 1, "loss": total_loss / max(seen, 1)}
+            adapter.on_epoch_end(epoch, epochs)
+            entry = {"epoch": epoch + 1, **{k: v / max(seen, 1) for k, v in sums.items()}}
             if cfg.select == "val":
                 vx, vy = source.validation()
                 if len(vy):

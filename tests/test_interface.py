@@ -192,6 +192,72 @@ def test_fit_style_methods_get_the_views_they_ask_for_shared_across_runs(registe
     assert coop["images_encoded"] == 2 * 8 + 16 == coop["images_encoded_shared"]
 
 
+# ---------------------------------------------------------------- the loop's hooks: loss terms, backward, epochs
+
+
+class Hooked(Bias):
+    """A bias that also pays for its size (a logged regulariser), halves its gradient and counts its epochs."""
+
+    name = "test_hooked"
+    epochs_seen: list = []
+
+    def training_loss(self, features, labels):
+        terms = super().training_loss(features, labels)
+        terms["ce"] = terms["loss"]
+        terms["size"] = self.bias.pow(2).sum()
+        terms["loss"] = terms["ce"] + terms["size"]
+        return terms
+
+    def backward(self, terms):
+        terms["loss"].backward()
+        self.bias.grad.mul_(0.5)
+
+    def on_epoch_end(self, epoch, epochs):
+        Hooked.epochs_seen.append((epoch, epochs))
+
+
+def test_the_loop_calls_the_adapters_loss_backward_and_epoch_hooks(shapes):
+    from fewclip.backbones import BackboneConfig, load_backbone
+    from fewclip.engine import TrainConfig
+    from fewclip.features import Features
+
+    bb = load_backbone(BackboneConfig(name="toy-clip", device="cpu"))
+    names = shapes.classnames
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 64, generator=g), torch.arange(16) % len(names)
+    cfg = TrainConfig(optimizer="sgd", lr=0.1, momentum=0.0, weight_decay=0.0, epochs=3, warmup_epochs=0, batch_size=16)
+
+    def trained(cls):
+        a = cls(BiasConfig(), bb, names, ["a photo of a {}."])
+        info = train_loop(a, CachedFeatures([Features(x, y)], Features(x[:0], y[:0])), cfg, 1, torch.Generator())
+        return a, info
+
+    Hooked.epochs_seen = []
+    hooked, info = trained(Hooked)
+    plain, _ = trained(Bias)
+    assert Hooked.epochs_seen == [(0, 3), (1, 3), (2, 3)]
+    # one full-batch step per epoch: the first step's gradient is the cross-entropy's alone (the bias starts at
+    # 0), halved; so after it the hooked bias is half the plain one
+    assert info["epochs"] == 3 and len(info["loss_curve"]) == 3
+    assert not torch.allclose(hooked.bias, plain.bias)
+    cfg.epochs = 1
+    h1, _ = trained(Hooked)
+    p1, _ = trained(Bias)
+    torch.testing.assert_close(h1.bias, 0.5 * p1.bias)
+
+
+def test_for_classnames_default_is_the_adapter_itself_or_an_error(shapes):
+    from fewclip.adapters import AdapterError
+    from fewclip.backbones import BackboneConfig, load_backbone
+
+    bb = load_backbone(BackboneConfig(name="toy-clip", device="cpu"))
+    a = Bias(BiasConfig(), bb, shapes.classnames, ["a photo of a {}."])
+    assert not a.supports_new_classes
+    assert a.for_classnames(list(shapes.classnames), ["a {}."]) is a
+    with pytest.raises(AdapterError, match="cannot score other class names"):
+        a.for_classnames(["lynx", "ocelot"], ["a {}."])
+
+
 # ---------------------------------------------------------------- exports written before the interface change
 
 
