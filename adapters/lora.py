@@ -49,7 +49,7 @@ from fewclip.attention import pack_split_state, parse_layers, split_attention, t
 from fewclip.rng import forked_global_rng
 
 from ._text import TextTower
-from .base import Adapter, AdapterConfig, register_adapter
+from .base import Adapter, AdapterConfig, AdapterError, register_adapter
 from .lora_export import LORA
 
 log = logging.getLogger(__name__)
@@ -121,6 +121,11 @@ def lora_target_modules(model: nn.Module, cfg: LoRAConfig) -> List[str]:
     for tower in towers:
         try:
             prefix, blocks = _tower_blocks(model, tower)
+        except ValueError as e:
+            other = {"text": "vision", "vision": "text"}[tower]
+            raise AdapterError(f"LoRA on the {tower} tower needs an open_clip transformer there: {e}; adapt only "
+                               f"the other tower with adapter.towers={other}") from None
+        try:
             layers = parse_layers(cfg.layers, len(blocks))
         except ValueError as e:
             raise ValueError(f"adapter.towers={cfg.towers}: {e}") from None

@@ -486,8 +486,7 @@ def text_tower_parts(model: nn.Module):
     """(transformer, causal) of an open_clip CLIP / CustomTextCLIP text tower."""
     t = model.text if hasattr(model, "text") else model
     if not hasattr(t, "transformer") or not hasattr(t.transformer, "resblocks"):
-        raise ValueError(f"this backbone's text tower ({type(t).__name__}) is not an open_clip transformer; "
-                         f"local attention needs one")
+        raise ValueError(f"this backbone's text tower ({type(t).__name__}) is not an open_clip transformer")
     return t.transformer, getattr(t, "attn_mask", None) is not None
 
 
@@ -497,8 +496,7 @@ def vision_tower_parts(model: nn.Module):
 
     v = model.visual
     if not isinstance(v, VisionTransformer):
-        raise ValueError(f"this backbone's image tower is a {type(v).__name__}, not an open_clip VisionTransformer; "
-                         f"vision local attention needs one (set backbone.local_attention.vision.window=null)")
+        raise ValueError(f"this backbone's image tower is a {type(v).__name__}, not an open_clip VisionTransformer")
     return v.transformer, 1, tuple(int(g) for g in v.grid_size)
 
 
@@ -545,12 +543,20 @@ def apply_local_attention(model: nn.Module, cfg: LocalAttentionConfig) -> Dict[s
     """Put local windows into the configured layers of ``model``'s towers (in place); returns a summary."""
     summary: Dict[str, Any] = {}
     if cfg.text.window is not None:
-        transformer, causal = text_tower_parts(model)
+        try:
+            transformer, causal = text_tower_parts(model)
+        except ValueError as e:
+            raise ValueError(f"{e}; text local attention needs one (set backbone.local_attention.text.window=null)") \
+                from None
         layers = parse_layers(cfg.text.layers, len(transformer.resblocks))
         summary["text"] = _apply(transformer, Window(cfg.text.window, "band", causal=causal), layers, cfg.impl,
                                  "text", cfg.flex_compile)
     if cfg.vision.window is not None:
-        transformer, prefix, grid = vision_tower_parts(model)
+        try:
+            transformer, prefix, grid = vision_tower_parts(model)
+        except ValueError as e:
+            raise ValueError(f"{e}; vision local attention needs one (set backbone.local_attention.vision.window=null)") \
+                from None
         layers = parse_layers(cfg.vision.layers, len(transformer.resblocks))
         w = Window(cfg.vision.window, cfg.vision.shape, prefix=prefix, cls=cfg.vision.cls, grid=grid)
         summary["vision"] = _apply(transformer, w, layers, cfg.impl, "vision", cfg.flex_compile)

@@ -263,3 +263,16 @@ def test_init_draws_from_the_generator_not_the_global_rng():
     a_keys = [k for k in sd1 if k.endswith("A.weight")]
     assert a_keys and all(torch.equal(sd1[k], sd2[k]) for k in sd1)
     assert all(not torch.equal(sd1[k], sdb[k]) for k in a_keys)
+
+
+def test_an_image_tower_lora_cannot_adapt_is_refused_with_the_fix():
+    from fewclip.adapters import AdapterError
+    from fewclip.adapters.lora import lora_target_modules
+
+    model = build_open_clip_model({"embed_dim": 16, "vision_cfg": {"image_size": 32, "layers": [1, 1, 1, 1],
+                                                                   "width": 8},
+                                   "text_cfg": {"context_length": 8, "vocab_size": 100, "width": 16, "heads": 2,
+                                                "layers": 1}})
+    with pytest.raises(AdapterError, match="ModifiedResNet.*adapter.towers=text"):
+        lora_target_modules(model, LoRAConfig(towers="both"))
+    assert lora_target_modules(model, LoRAConfig(towers="text"))  # the text tower alone is fine
