@@ -163,7 +163,7 @@ def cmd_sweep(args: Sequence[str]) -> int:
         with sweep_lock(out, cfg.lock_timeout_s):
             rep = write_report(out)
         print(rep.markdown)
-        print(f"report: {out / 'report.md'}, {out / 'accuracy_vs_shots.png'}")
+        print("report: " + ", ".join(str(p) for p in rep.paths.values()))
     return 0
 
 

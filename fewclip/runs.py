@@ -141,14 +141,18 @@ class RunResources:
             self._backbones[key] = load_backbone(cfg)
         return self._backbones[key]
 
+    # DataConfig fields that say how a dataset is used, not what build_dataset returns: runs that differ only in
+    # them share one dataset object (and so its rendered images and cached features).
+    USE_ONLY = ("templates", "allow_fewer_shots", "batch_size", "workers", "max_test")
+
     def dataset(self, cfg: DataConfig) -> Dataset:
-        key = to_yaml(cfg)
+        key = to_yaml(dataclasses.replace(cfg, **{f: getattr(DataConfig(), f) for f in self.USE_ONLY}))
         if key not in self._datasets:
             self._datasets[key] = build_dataset(cfg)
         return self._datasets[key]
 
     def plan(self, cfg: RunConfig) -> ProtocolPlan:
-        key = (to_yaml(cfg.data), cfg.protocol, tuple(cfg.targets))
+        key = (id(self.dataset(cfg.data)), cfg.protocol, tuple(cfg.targets))  # targets: built from cfg.data
         if key not in self._plans:
             self._plans[key] = make_plan(cfg.protocol, self.dataset(cfg.data),
                                          [self.dataset(target_data(cfg.data, t)) for t in cfg.targets])
