@@ -7,7 +7,8 @@ A run's identity is a digest of three parts (:func:`run_identity`):
 
 * ``config``: the resolved config, without the keys that say where results go or how verbose or
   parallel the work is (``IGNORED_CONFIG_KEYS``: ``out``, ``log_level``, ``overwrite``,
-  ``data.workers``, ``backbone.cache_dir``);
+  ``data.workers``, ``backbone.cache_dir``), nor keys added later while they hold their defaults
+  (``LATER_KEY_DEFAULTS``: ``protocol: fewshot``, ``targets: []``, so few-shot runs keep their identity);
 * ``weights``: the backbone's weights checksum (the sha256 of its weights file, or of its loaded
   state dict where there is no file, e.g. an open_clip pretrained tag or random init);
 * ``data``: the class names, the prompt templates, the few-shot split (train and validation image
@@ -74,6 +75,9 @@ LOCK_FILE = ".fewclip.lock"
 RUN_FILES = ("metrics.json", "adapter.safetensors", "split.json", "protocol.json", "config.yaml")
 DERIVED_FILES = ("prompts.safetensors", "export")
 IGNORED_CONFIG_KEYS = ("out", "log_level", "overwrite", "data.workers", "backbone.cache_dir")
+# Keys added to the run config after run records existed: left out of the config part while they hold these
+# defaults, so a finished run keeps its identity when a fewclip that knows the key reads it.
+LATER_KEY_DEFAULTS = {"protocol": "fewshot", "targets": []}
 DEFAULT_STALE_AFTER_S = 600.0
 LOCK_TIMEOUT_ENV = "FEWCLIP_LOCK_TIMEOUT_S"
 
@@ -124,7 +128,8 @@ def canonical_json(obj: Any) -> bytes:
 
 
 def config_dict(cfg: Any) -> Dict[str, Any]:
-    """A config (dataclass, DictConfig or dict) as a plain dict without ``IGNORED_CONFIG_KEYS``."""
+    """A config (dataclass, DictConfig or dict) as a plain dict without ``IGNORED_CONFIG_KEYS``, nor the
+    ``LATER_KEY_DEFAULTS`` keys that hold their defaults."""
     from omegaconf import DictConfig, OmegaConf
 
     if isinstance(cfg, Mapping) and not isinstance(cfg, DictConfig):
@@ -139,6 +144,9 @@ def config_dict(cfg: Any) -> Dict[str, Any]:
             node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, dict):
             node.pop(leaf, None)
+    for key, default in LATER_KEY_DEFAULTS.items():
+        if key in d and d[key] == default:
+            d.pop(key)
     return d
 
 

@@ -177,16 +177,13 @@ def run_identity_of(cfg: RunConfig, backbone: Backbone, plan, split=None) -> Ide
     ``ProtocolPlan`` (a ``Dataset`` is taken as the source of ``build_plan``).
 
     The ``train`` section of an adapter that trains on nothing (zeroshot) is no part of it: a sweep's
-    ``train.*`` arguments do not change its numbers. Nor are ``protocol`` and ``targets`` when they are the
-    defaults (fewshot, none): a few-shot run keeps the identity it had before protocols existed."""
+    ``train.*`` arguments do not change its numbers. (Nor are ``protocol`` and ``targets`` at their defaults:
+    ``records.LATER_KEY_DEFAULTS``.)"""
     if not isinstance(plan, ProtocolPlan):
         plan = build_plan(cfg, plan)
     conf = config_dict(cfg)
     if adapter_info(conf["adapter"]["name"]).adapter_cls.trained_by is None:
         conf.pop("train", None)
-    if conf.get("protocol", "fewshot") == "fewshot" and not conf.get("targets"):
-        conf.pop("protocol", None)
-        conf.pop("targets", None)
     mode, max_test = cfg.data.templates, cfg.data.max_test
     evals = None
     if plan.protocol != "fewshot":
