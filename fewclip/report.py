@@ -550,8 +550,8 @@ def aggregate_protocols(runs: Iterable[RunResult]) -> list[ProtocolCell]:
         if any(None in r for r in rows.values()):
             b = [r[0] for r in rows.values()]
             n = [r[1] for r in rows.values()]
-            avg = {"base": None if None in b else statistics.fmean(b), "new": None if None in n else statistics.fmean(n),
-                   "hm": None}
+            avg = {"base": None if None in b else statistics.fmean(b),
+                   "new": None if None in n else statistics.fmean(n), "hm": None}
         else:
             avg = base2new_table({ds: tuple(r) for ds, r in rows.items()}).get(AVERAGE) or {}
             if len(rows) == 1:  # base2new_table adds no average row for one dataset
@@ -766,8 +766,7 @@ def _protocol_markdown(protocol: str, cells: list[ProtocolCell]) -> list[str]:
                      *(_fmt_protocol_cell(at.get((ds, m, k, e))) for e in ("base", "new", "hm"))]
                     for ds, m, k in rows]
             out += [f"### `{bb}`", "", *_md_table(["Dataset", "Method", "Shots", "Base", "New", "H"], body), ""]
-            partial = sorted({(m, k, c.datasets) for c in here if c.is_average and not c.complete
-                              for m, k in [(c.method, c.shots)]})
+            partial = sorted({(c.method, c.shots, c.datasets) for c in here if c.is_average and not c.complete})
             for m, k, names in partial:
                 out.append(f"† `{m}` at {k} shots: average over {', '.join(names)} only")
             out += [""] if partial else []

@@ -16,10 +16,9 @@ from fewclip.cli import main
 from fewclip.config import ConfigError
 from fewclip.datasets import DataConfig, build_dataset
 from fewclip.datasets.protocols import base_new_classes, harmonic_mean, make_plan, read_protocol_split
-from fewclip.engine import TrainConfig
 from fewclip.evals import describe_evals, scorer_for
 from fewclip.features import FeatureCache, text_prototypes
-from fewclip.report import build_report, write_report
+from fewclip.report import build_report
 from fewclip.runs import (RunResources, load_sweep_config, load_train_config, plan_sweep, run_identity_of,
                           run_train)
 from fewclip.zeroshot import zeroshot_logits
