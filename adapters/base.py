@@ -112,6 +112,14 @@ class Adapter(nn.Module):
         raise AdapterError(f"adapter {self.name!r} learns one weight per trained class and cannot score other "
                            f"class names; use a method that adapts the text side (e.g. coop) for new classes")
 
+    def rebuilt_for(self, classnames: Sequence[str], templates: Sequence[str]) -> "Adapter":
+        """This adapter's class and config built for other class names and templates, holding this adapter's
+        learned tensors, in eval mode: ``for_classnames`` of a method whose tensors do not depend on the class
+        names (a shared context, low-rank updates of the towers, nothing at all)."""
+        other = type(self)(self.cfg, self.backbone, classnames, templates)
+        other.load_adapter_state_dict(self.adapter_state_dict())
+        return other.to(self.backbone.device).eval()
+
     def fit_views(self) -> int:
         """How many augmented views of the training images ``fit`` wants (besides the un-augmented ones):
         Tip-Adapter builds its cache from 10, CLAP from 20. 0 by default."""

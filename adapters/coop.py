@@ -65,10 +65,14 @@ class CoOpConfig(AdapterConfig):
 class CoOp(Adapter):
     name = "coop"
     uses_text_tower = True
+    # A unified context fits any class name (CoOp's and CoCoOp's base-to-novel and transfer evaluations); a
+    # class-specific one (csc) does not, and the instance says so (``__init__``).
+    supports_new_classes = True
 
     def __init__(self, cfg: CoOpConfig, backbone, classnames: Sequence[str], templates: Sequence[str] = (), *,
                  generator: Optional[torch.Generator] = None):
         super().__init__(cfg, backbone, classnames, templates)
+        self.supports_new_classes = not cfg.csc
         generator = generator if generator is not None else torch.Generator().manual_seed(0)
         tower = TextTower(backbone.model, backbone.tokenizer)
         object.__setattr__(self, "tower", tower)
@@ -217,6 +221,18 @@ class CoOp(Adapter):
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.backbone.geometry.image_logits(features, self.prototypes())
+
+    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str] = ()) -> "CoOp":
+        """The learned unified context around other class names (the templates are not used: the context
+        replaces them). A class-specific context (``csc``) has no context for a class it was not trained on:
+        an ``AdapterError``."""
+        if list(classnames) == self.classnames:
+            return self
+        if self.cfg.csc:
+            raise AdapterError("CoOp with a class-specific context (adapter.csc=true) learns one context per trained "
+                               "class and cannot score other class names; use the unified context "
+                               "(adapter.csc=false) for new classes")
+        return self.rebuilt_for(classnames, templates)
 
     @torch.no_grad()
     def nearest_words(self, k: int = 3) -> List[List[List[str]]]:

@@ -150,6 +150,8 @@ def lora_target_modules(model: nn.Module, cfg: LoRAConfig) -> List[str]:
 class LoRA(Adapter):
     name = "lora"
     uses_text_tower = True
+    # The adapted towers score any class names: the prototypes of their prompts through the adapted text tower.
+    supports_new_classes = True
     # The run's `train` section starts from these (CLIP-LoRA's recipe) instead of CoOp's.
     train_defaults = {"optimizer": "adamw", "lr": 2e-4, "weight_decay": 1e-2, "warmup_epochs": 0,
                       "iterations_per_shot": 500}
@@ -226,6 +228,14 @@ class LoRA(Adapter):
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:  # [B, D] raw image features -> [B, C]
         return self.backbone.geometry.image_logits(features, self.prototypes())
+
+    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> "LoRA":
+        """The adapted towers with the prototypes of other class names and templates: a new LoRA adapter on its
+        own copy of the module tree, holding these LoRA weights (image features encoded by this adapter's image
+        tower go with it unchanged)."""
+        if list(classnames) == self.classnames and (list(templates) or ["a photo of a {}."]) == self.templates:
+            return self
+        return self.rebuilt_for(classnames, templates)
 
     # -- export --------------------------------------------------------------
     def trainable_parameter_count(self) -> int:

@@ -28,6 +28,7 @@ class ZeroShot(Adapter):
     name = "zeroshot"
     uses_text_tower = True
     trained_by = None
+    supports_new_classes = True  # any class names: their prototypes
 
     def __init__(self, cfg: ZeroShotConfig, backbone, classnames: Sequence[str], templates: Sequence[str], *,
                  generator: Optional[torch.Generator] = None):  # deterministic: no random draws
@@ -38,6 +39,12 @@ class ZeroShot(Adapter):
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:  # [B, D] raw -> [B, C]
         return self.backbone.geometry.image_logits(features, self.prototypes)
+
+    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> "ZeroShot":
+        """The zero-shot classifier of ``classnames`` with ``templates`` (this one where they are its own)."""
+        if list(classnames) == self.classnames and list(templates) == self.templates:
+            return self
+        return self.rebuilt_for(classnames, templates)
 
 
 register_adapter("zeroshot", ZeroShotConfig, ZeroShot)

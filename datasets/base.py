@@ -128,12 +128,10 @@ class Dataset:
     class_ids: List[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self.classnames = check_classnames(self.classnames, f"dataset {self.name!r}")
         if self.class_ids and len(self.class_ids) != len(self.classnames):
             raise DatasetError(f"dataset {self.name!r}: {len(self.class_ids)} class ids for "
                                f"{len(self.classnames)} classes")
-
-    def __post_init__(self) -> None:
-        self.classnames = check_classnames(self.classnames, f"dataset {self.name!r}")
 
     def items(self, split: str) -> List[Item]:
         if split not in self.splits:

@@ -56,6 +56,8 @@ from .base import Dataset, DatasetError, Item
 from .fewshot import SPLIT_FORMAT, FewShotSplit, subsample_test
 
 PROTOCOLS = ("fewshot", "base2new", "cross_dataset", "domain_shift")
+# The protocols that test on other datasets (targets) than the one trained on.
+TRANSFER_PROTOCOLS = ("cross_dataset", "domain_shift")
 PROTOCOL_FORMAT = "fewclip.protocol/1"
 
 BASE2NEW_RULE = (
@@ -322,24 +324,26 @@ def default_targets(protocol: str, source: str) -> Tuple[str, ...]:
 # ---------------------------------------------------------------------------
 
 
-def protocol_json(plan: ProtocolPlan, split: FewShotSplit, *, max_test: Optional[int] = None,
+def protocol_json(plan: ProtocolPlan, split: Optional[FewShotSplit], *, max_test: Optional[int] = None,
                   test_seed: int = 1) -> Dict[str, Any]:
     """The plan and its few-shot split as one JSON-able record (format ``fewclip.protocol/1``).
 
     ``train.split`` is the few-shot split exactly as ``split.json`` of the
     few-shot protocol writes it, with labels of ``train.dataset``'s view
-    (``train.classes[label]`` is the label in ``source.dataset``). Each test
+    (``train.classes[label]`` is the label in ``source.dataset``); ``null`` for
+    a run that trains on nothing (zero-shot). Each test
     set names its dataset, the labels it keeps (in that dataset), their class
     names in the order of its labels, the map onto training labels (or null)
     and how many test images it has with this ``max_test``.
     """
-    if split.classnames and list(split.classnames) != list(plan.train.classnames):
+    if split is not None and split.classnames and list(split.classnames) != list(plan.train.classnames):
         raise DatasetError(f"the few-shot split is not of {plan.train.name!r}: its class names differ")
     record: Dict[str, Any] = {
         "format": PROTOCOL_FORMAT,
         "protocol": plan.protocol,
         "source": {"dataset": plan.source.name, "classnames": list(plan.source.classnames)},
-        "train": {"dataset": plan.train.name, "classes": list(plan.train_classes), "split": split.to_json()},
+        "train": {"dataset": plan.train.name, "classes": list(plan.train_classes),
+                  "split": split.to_json() if split is not None else None},
         "test": {"max_test": max_test, "subset_seed": test_seed if max_test is not None else None},
         "evals": [
             {"name": e.name, "dataset": e.source_dataset, "view": e.dataset.name, "classes": list(e.classes),
@@ -362,9 +366,11 @@ def check_protocol_json(obj: Any, *, source: str = "protocol split") -> Dict[str
     if obj.get("protocol") not in PROTOCOLS:
         raise DatasetError(f"{source}: 'protocol' must be one of {PROTOCOLS}, got {obj.get('protocol')!r}")
     train = obj.get("train")
-    if not isinstance(train, dict) or not isinstance(train.get("split"), dict):
-        raise DatasetError(f"{source}: 'train' must hold the few-shot 'split' ({SPLIT_FORMAT})")
-    FewShotSplit.from_json(train["split"], source=f"{source}, train.split")
+    if not isinstance(train, dict) or "split" not in train or not isinstance(train["split"], (dict, type(None))):
+        raise DatasetError(f"{source}: 'train' must hold the few-shot 'split' ({SPLIT_FORMAT}), or null for a run "
+                           f"that trains on nothing")
+    if train["split"] is not None:
+        FewShotSplit.from_json(train["split"], source=f"{source}, train.split")
     evals = obj.get("evals")
     if not isinstance(evals, list) or not evals:
         raise DatasetError(f"{source}: 'evals' must be a non-empty list of test sets")
@@ -379,7 +385,7 @@ def check_protocol_json(obj: Any, *, source: str = "protocol split") -> Dict[str
     return obj
 
 
-def write_protocol_split(plan: ProtocolPlan, split: FewShotSplit, path: str | os.PathLike, *,
+def write_protocol_split(plan: ProtocolPlan, split: Optional[FewShotSplit], path: str | os.PathLike, *,
                          max_test: Optional[int] = None, test_seed: int = 1) -> Path:
     """Write ``protocol_json(plan, split)`` atomically; returns the path."""
     return atomic_write_json(path, protocol_json(plan, split, max_test=max_test, test_seed=test_seed))
@@ -387,7 +393,7 @@ def write_protocol_split(plan: ProtocolPlan, split: FewShotSplit, path: str | os
 
 def read_protocol_split(path: str | os.PathLike) -> Dict[str, Any]:
     """A protocol record written by ``write_protocol_split``, checked; its ``train.split`` as a ``FewShotSplit``
-    is ``FewShotSplit.from_json(record["train"]["split"])``."""
+    is ``FewShotSplit.from_json(record["train"]["split"])`` (``None`` for a zero-shot run)."""
     try:
         with open(path, encoding="utf-8") as f:
             obj = json.load(f)

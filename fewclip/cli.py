@@ -21,6 +21,7 @@ commands:
   datasets     list the registered datasets and where each expects its files
   zeroshot     zero-shot evaluation: fewclip zeroshot backbone=toy-clip data=toy-shapes out=runs/zs
   train        one few-shot run: fewclip train adapter=coop data=toy-shapes shots=16 seed=1 out=runs/coop
+               (protocol=base2new|cross_dataset|domain_shift [targets=[A,B]]: the generalisation protocols)
   sweep        methods x datasets x shots x seeds, resumable: fewclip sweep sweep/demo.yaml out=runs/demo
   report       seed-averaged tables and the accuracy-vs-shots plot: fewclip report runs/demo
   adapters     list the registered adapters (few-shot methods)
@@ -101,11 +102,31 @@ def cmd_zeroshot(args: Sequence[str]) -> int:
 
     cfg: RunConfig = load_config(args, RunConfig)
     setup_logging(cfg.log_level)
-    out = run_dir(cfg.out, f"runs/zeroshot/{Path(cfg.backbone.name).stem}_{cfg.data.name}")
+    out = run_dir(cfg.out, f"runs/zeroshot/{_protocol_prefix(cfg)}{Path(cfg.backbone.name).stem}_{cfg.data.name}")
     metrics = run_train(as_train_config(cfg, ZeroShotConfig()), out)
+    if "evals" in metrics:
+        print(f"zero-shot, {_protocol_words(metrics)}: {_evals_line(metrics)} with {metrics['backbone']} "
+              f"[{metrics['geometry']}] -> {out / 'metrics.json'}")
+        return 0
     print(f"zero-shot top-1 {metrics['top1']:.2f}% on {metrics['dataset']} ({metrics['n_test']} test images) "
           f"with {metrics['backbone']} [{metrics['geometry']}] -> {out / 'metrics.json'}")
     return 0
+
+
+def _protocol_prefix(cfg) -> str:
+    return "" if cfg.protocol == "fewshot" else f"{cfg.protocol}_"
+
+
+def _protocol_words(m) -> str:
+    where = "on" if m["protocol"] == "base2new" else "from"
+    return f"{m['protocol']} {where} {m['dataset']}"
+
+
+def _evals_line(m) -> str:
+    from .evals import describe_evals
+
+    n = " + ".join(str(e["n_test"]) for e in m["evals"].values())
+    return f"{describe_evals(m['protocol'], m['evals'])} ({n} test images)"
 
 
 def cmd_train(args: Sequence[str]) -> int:
@@ -113,9 +134,13 @@ def cmd_train(args: Sequence[str]) -> int:
 
     cfg = load_train_config(args)
     setup_logging(cfg.log_level)
-    out = run_dir(cfg.out, f"runs/train/{Path(cfg.backbone.name).stem}_{cfg.data.name}_{cfg.adapter.name}"
-                           f"_{cfg.shots}shot_seed{cfg.seed}")
+    out = run_dir(cfg.out, f"runs/train/{_protocol_prefix(cfg)}{Path(cfg.backbone.name).stem}_{cfg.data.name}"
+                           f"_{cfg.adapter.name}_{cfg.shots}shot_seed{cfg.seed}")
     m = run_train(cfg, out)
+    if "evals" in m:
+        print(f"{m['method']} {cfg.shots}-shot seed {cfg.seed}, {_protocol_words(m)}: {_evals_line(m)}, "
+              f"{m['train_time_s']:.1f} s -> {out}")
+        return 0
     print(f"{m['method']} {cfg.shots}-shot seed {cfg.seed}: top-1 {m['top1']:.2f}% on {m['dataset']} "
           f"({m['n_test']} test images, {m['train_time_s']:.1f} s) -> {out}")
     return 0
@@ -138,7 +163,7 @@ def cmd_sweep(args: Sequence[str]) -> int:
         with sweep_lock(out, cfg.lock_timeout_s):
             rep = write_report(out)
         print(rep.markdown)
-        print(f"report: {out / 'report.md'}, {out / 'accuracy_vs_shots.png'}")
+        print("report: " + ", ".join(str(p) for p in rep.paths.values()))
     return 0
 
 

@@ -25,6 +25,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .backbones import BackboneConfig
 from fewclip.datasets.base import DataConfig
+from fewclip.datasets.protocols import PROTOCOLS, TRANSFER_PROTOCOLS, default_targets
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 SHORTHANDS = ("backbone", "data", "adapter")
@@ -45,6 +46,14 @@ class RunConfig:
     # Replace a finished run of another config in `out` (its files are removed first); without it such a
     # directory is refused. A finished run of the same config is kept and shown unless this is set.
     overwrite: bool = False
+    # The generalisation protocol (fewclip.datasets.protocols): fewshot (train and test on the same classes,
+    # CoOp's), base2new (train on the first half of the classes, test on both halves), cross_dataset (train on
+    # `data`, test on other datasets with their own class names) or domain_shift (test on shifted versions of
+    # `data` with its classes or some of them).
+    protocol: str = "fewshot"
+    # The test datasets of cross_dataset and domain_shift, by name, each read with this `data` section (its
+    # name changed, no split_file); empty: the protocol's default targets of `data.name`.
+    targets: List[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.log_level not in ("debug", "info", "warning", "error"):
@@ -52,6 +61,20 @@ class RunConfig:
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed} (Python's random.Random would silently use "
                              f"seed {abs(self.seed)})")
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
+        self.targets = list(self.targets)
+        if self.protocol not in TRANSFER_PROTOCOLS:
+            if self.targets:
+                raise ValueError(f"targets={self.targets} apply to protocol=cross_dataset or domain_shift only, "
+                                 f"not {self.protocol}; remove them")
+        elif not self.targets:  # resolved here, so config.yaml names the datasets the run was tested on
+            try:
+                self.targets = list(default_targets(self.protocol, self.data.name))
+            except ValueError as e:
+                raise ValueError(f"{e}: targets=[NAME,...]") from None
+        elif self.data.name in self.targets or len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"targets={self.targets} must be distinct and differ from data.name={self.data.name!r}")
 
 
 def packaged_config_dirs() -> List[Path]:

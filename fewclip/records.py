@@ -7,11 +7,13 @@ A run's identity is a digest of three parts (:func:`run_identity`):
 
 * ``config``: the resolved config, without the keys that say where results go or how verbose or
   parallel the work is (``IGNORED_CONFIG_KEYS``: ``out``, ``log_level``, ``overwrite``,
-  ``data.workers``, ``backbone.cache_dir``);
+  ``data.workers``, ``backbone.cache_dir``), nor keys added later while they hold their defaults
+  (``LATER_KEY_DEFAULTS``: ``protocol: fewshot``, ``targets: []``, so few-shot runs keep their identity);
 * ``weights``: the backbone's weights checksum (the sha256 of its weights file, or of its loaded
   state dict where there is no file, e.g. an open_clip pretrained tag or random init);
 * ``data``: the class names, the prompt templates, the few-shot split (train and validation image
-  ids) and the test image ids.
+  ids) and the test image ids; under a generalisation protocol also every test set's dataset, class
+  names, templates, class map and test image ids (``evals``).
 
 The record
 ----------
@@ -70,9 +72,12 @@ METRICS_FILE = "metrics.json"
 LOCK_FILE = ".fewclip.lock"
 # What a run writes (metrics.json last) and what `fewclip export` derives from it by default; an
 # overwrite removes all of them (metrics.json first), and nothing else in the folder.
-RUN_FILES = ("metrics.json", "adapter.safetensors", "split.json", "config.yaml")
+RUN_FILES = ("metrics.json", "adapter.safetensors", "split.json", "protocol.json", "config.yaml")
 DERIVED_FILES = ("prompts.safetensors", "export")
 IGNORED_CONFIG_KEYS = ("out", "log_level", "overwrite", "data.workers", "backbone.cache_dir")
+# Keys added to the run config after run records existed: left out of the config part while they hold these
+# defaults, so a finished run keeps its identity when a fewclip that knows the key reads it.
+LATER_KEY_DEFAULTS = {"protocol": "fewshot", "targets": []}
 DEFAULT_STALE_AFTER_S = 600.0
 LOCK_TIMEOUT_ENV = "FEWCLIP_LOCK_TIMEOUT_S"
 
@@ -123,7 +128,8 @@ def canonical_json(obj: Any) -> bytes:
 
 
 def config_dict(cfg: Any) -> Dict[str, Any]:
-    """A config (dataclass, DictConfig or dict) as a plain dict without ``IGNORED_CONFIG_KEYS``."""
+    """A config (dataclass, DictConfig or dict) as a plain dict without ``IGNORED_CONFIG_KEYS``, nor the
+    ``LATER_KEY_DEFAULTS`` keys that hold their defaults."""
     from omegaconf import DictConfig, OmegaConf
 
     if isinstance(cfg, Mapping) and not isinstance(cfg, DictConfig):
@@ -138,6 +144,9 @@ def config_dict(cfg: Any) -> Dict[str, Any]:
             node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, dict):
             node.pop(leaf, None)
+    for key, default in LATER_KEY_DEFAULTS.items():
+        if key in d and d[key] == default:
+            d.pop(key)
     return d
 
 
@@ -164,13 +173,17 @@ def items_list(items: Sequence[Any]) -> List[List[Any]]:
 
 
 def data_part(*, dataset: str, classnames: Sequence[str], templates: Sequence[str], test: Sequence[Any],
-              split: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """The ``data`` part of an identity: names, templates, few-shot split (train/val ids) and test ids."""
+              split: Optional[Dict[str, Any]] = None, evals: Optional[Sequence[Dict[str, Any]]] = None
+              ) -> Dict[str, Any]:
+    """The ``data`` part of an identity: names, templates, few-shot split (train/val ids) and test ids; ``evals``:
+    a protocol's test sets, each a dict of what it holds (JSON-able; test items under ``"test"``)."""
     d = {"dataset": dataset, "classnames": list(classnames), "templates": list(templates),
          "test": items_list(test)}
     if split is not None:
         d["train"] = [list(x) for x in split["train"]]
         d["val"] = [list(x) for x in split["val"]]
+    if evals is not None:
+        d["evals"] = [{**e, "test": items_list(e["test"])} for e in evals]
     return d
 
 
@@ -312,7 +325,8 @@ def _change_reason(run_dir: Path, record: Dict[str, Any], identity: Identity) ->
         reasons.append(f"backbone weights changed ({str(old.get('weights'))[:21]}... -> "
                        f"{identity.parts['weights'][:21]}...)")
     if old.get("data") != identity.parts["data"]:
-        reasons.append("data changed (class names, templates, few-shot split or test images)")
+        reasons.append("data changed (class names, templates, few-shot split, test images or a protocol's test "
+                       "sets)")
     return "; ".join(reasons) or "identity changed (older record format)"
 
 

@@ -43,14 +43,37 @@ Conventions (also stated in ``report.md``):
   ``cost_vs_accuracy_<backbone>.png`` with several backbones) plots that top-1
   against training time and against images encoded.
 
+Generalisation protocols (runs whose ``metrics.json`` has ``protocol`` other
+than ``fewshot`` and ``evals`` per test set, ``fewclip.evals``) get a table per
+protocol and backbone instead of the few-shot tables and figures:
+
+* ``base2new``, CoCoOp's Table 1: per dataset and method, Base, New (each the
+  mean over seeds ± 95% CI) and H, the harmonic mean of the two seed means;
+  with two or more datasets an average block first, whose Base and New are the
+  means over datasets and whose H is that of those two averages
+  (``fewclip.datasets.protocols.base2new_table``);
+* ``cross_dataset`` and ``domain_shift``, CoCoOp's Tables 2 and 3: per source
+  dataset, a row per method with the source, each target and the average over
+  the targets (of the seed means).
+
+A test set that a method cannot score (new classes for a per-class classifier)
+is "n/a", never a number; H and averages that need it are "n/a" too. A
+zero-shot run of the same protocol gives each cell a ``delta_zeroshot``.
+``report.csv`` and ``report.json`` carry every cell with its ``protocol`` and
+``eval`` (``all`` for the few-shot protocol; ``base``, ``new``, ``hm``;
+``source``, a target's name, ``average``). A run directory may hold several
+protocols (``fewclip sweep`` puts each under ``OUT/<protocol>/``): each gets
+its tables. The cost table and the figures cover the few-shot runs.
+
 A malformed ``metrics.json`` is skipped with a warning naming it, and so is one whose finished-run
 record (``fewclip.records``) no longer matches its files; of several
-runs with the same (method, dataset, backbone, shots, seed), the first in
+runs with the same (protocol, method, dataset, backbone, shots, seed), the first in
 sorted path order is kept and the others are skipped with a warning.
 """
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import logging
@@ -61,6 +84,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from fewclip.datasets.protocols import PROTOCOLS, TRANSFER_PROTOCOLS, base2new_table, harmonic_mean
 from fewclip.io import atomic_write, atomic_write_json, atomic_write_text, read_json
 from fewclip.records import run_state
 
@@ -81,8 +105,15 @@ COST_COLUMNS = {
 }
 CSV_COLUMNS = (
     "backbone", "dataset", "method", "shots", "mean", "std", "ci95", "n",
-    "delta_zeroshot", "seeds", "datasets",
+    "delta_zeroshot", "seeds", "datasets", "protocol", "eval",
 )
+FEWSHOT = "fewshot"
+NA = "n/a"
+PROTOCOL_TITLES = {
+    "base2new": "Base-to-novel generalisation",
+    "cross_dataset": "Cross-dataset transfer",
+    "domain_shift": "Domain generalisation",
+}
 
 # t_{0.975, df} for df = 1..30 (two-sided 95%); beyond 30 see t_critical_975.
 _T975 = (
@@ -144,6 +175,9 @@ class RunResult:
     images_encoded: float | None = None
     peak_memory_mib: float | None = None
     memory: str | None = None  # "cuda" or "rss"
+    protocol: str = FEWSHOT
+    # Under a protocol other than fewshot: test set name -> top-1, None where the method could not score it.
+    evals: dict = field(default_factory=dict, compare=False, hash=False)
 
 
 @dataclass(frozen=True)
@@ -180,6 +214,42 @@ class CellStats:
 
 
 @dataclass(frozen=True)
+class ProtocolCell:
+    """One test set (``eval``) of a (protocol, backbone, dataset, method, shots) over seeds.
+
+    ``eval`` is a test set of the runs (``base``, ``new``; ``source``, a target), or derived from them: ``hm``
+    (the harmonic mean of the base and new seed means) and ``average`` (the mean over the targets of their seed
+    means). ``dataset == "average"`` (base2new with several datasets) averages over datasets, ``n`` counting
+    them. ``mean`` is None where the method cannot score the test set ("n/a", ``reason`` says why); ``std`` and
+    ``ci95`` are None on derived cells and with one seed."""
+
+    protocol: str
+    backbone: str
+    dataset: str
+    method: str
+    shots: int
+    eval: str
+    mean: float | None
+    std: float | None
+    ci95: float | None
+    n: int
+    delta_zeroshot: float | None = None
+    seeds: tuple[int, ...] = ()
+    values: tuple[float, ...] = ()
+    datasets: tuple[str, ...] = ()
+    complete: bool = True
+    reason: str = ""
+
+    @property
+    def is_average(self) -> bool:
+        return self.dataset == AVERAGE
+
+    @property
+    def derived(self) -> bool:
+        return self.eval in ("hm", AVERAGE) or self.is_average
+
+
+@dataclass(frozen=True)
 class CostStats:
     """What one (backbone, method, shots) costs: means over its runs (every dataset and seed) that record it."""
 
@@ -205,6 +275,7 @@ class Report:
     markdown: str
     paths: dict[str, Path] = field(default_factory=dict)
     costs: list[CostStats] = field(default_factory=list)
+    protocol_cells: list[ProtocolCell] = field(default_factory=list)
 
     @property
     def backbones(self) -> list[str]:
@@ -215,6 +286,14 @@ class Report:
             if (c.backbone, c.dataset, c.method, c.shots) == (backbone, dataset, method, shots):
                 return c
         raise KeyError((backbone, dataset, method, shots))
+
+    def protocol_cell(self, protocol: str, backbone: str, dataset: str, method: str, shots: int,
+                      eval: str) -> ProtocolCell:
+        key = (protocol, backbone, dataset, method, shots, eval)
+        for c in self.protocol_cells:
+            if (c.protocol, c.backbone, c.dataset, c.method, c.shots, c.eval) == key:
+                return c
+        raise KeyError(key)
 
 
 # ----------------------------------------------------------------------------
@@ -246,9 +325,38 @@ def _cost(obj: dict, key: str) -> float | None:
     return float(value)
 
 
+def _parse_evals(obj: dict, protocol: str) -> dict:
+    """A protocol run's test set -> top-1 (None: n/a), checked."""
+    evals = obj.get("evals")
+    if not isinstance(evals, dict) or not evals:
+        raise ValueError(f"protocol {protocol!r}: 'evals' must map each test set to its accuracy")
+    out: dict = {}
+    for name, e in evals.items():
+        if not isinstance(e, dict) or "top1" not in e:
+            raise ValueError(f"evals[{name!r}] must be an object with 'top1' (a number, or null for n/a)")
+        top1 = e["top1"]
+        if top1 is not None:
+            top1 = _require(e, "top1", "float")
+            if not 0.0 <= top1 <= 100.0:
+                raise ValueError(f"evals[{name!r}].top1 is a percentage in [0, 100], got {top1}")
+        out[str(name)] = top1
+    need = {"base", "new"} if protocol == "base2new" else {"source"}
+    if not need <= set(out) or (protocol in TRANSFER_PROTOCOLS and len(out) < 2):
+        raise ValueError(f"protocol {protocol!r}: 'evals' must hold {' and '.join(sorted(need))}"
+                         + (" and at least one target" if protocol in TRANSFER_PROTOCOLS else "")
+                         + f", got {sorted(out)}")
+    if out.get("hm") is not None or AVERAGE in out:
+        raise ValueError(f"'hm' and {AVERAGE!r} are names of derived cells, not test sets")
+    return out
+
+
 def _parse_metrics(obj: Any, path: Path) -> RunResult:
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+    protocol = obj.get("protocol", FEWSHOT)
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"'protocol' must be one of {', '.join(PROTOCOLS)}, got {protocol!r}")
+    evals = _parse_evals(obj, protocol) if protocol != FEWSHOT else {}
     cuda = _cost(obj, "peak_cuda_mib")
     rss = _cost(obj, "peak_rss_mib")
     run = RunResult(
@@ -265,6 +373,8 @@ def _parse_metrics(obj: Any, path: Path) -> RunResult:
         images_encoded=_cost(obj, "images_encoded"),
         peak_memory_mib=cuda if cuda is not None else rss,
         memory="cuda" if cuda is not None else ("rss" if rss is not None else None),
+        protocol=protocol,
+        evals=evals,
     )
     if run.dataset == AVERAGE:
         raise ValueError(f"'dataset' may not be {AVERAGE!r} (reserved for the average row)")
@@ -301,9 +411,9 @@ def load_runs(run_root: str | Path) -> tuple[list[RunResult], list[SkippedFile]]
             logger.warning("skipping %s: %s", path, state.reason)
             skipped.append(SkippedFile(path, f"not a valid finished run: {state.reason}"))
             continue
-        key = (run.method, run.dataset, run.backbone, run.shots, run.seed)
+        key = (run.protocol, run.method, run.dataset, run.backbone, run.shots, run.seed)
         if key in seen:
-            logger.warning("skipping %s: duplicate of %s (method, dataset, backbone, shots, seed = %s)",
+            logger.warning("skipping %s: duplicate of %s (protocol, method, dataset, backbone, shots, seed = %s)",
                            path, seen[key], key)
             skipped.append(SkippedFile(path, f"duplicate of {seen[key]}"))
             continue
@@ -369,6 +479,96 @@ def aggregate(runs: Iterable[RunResult]) -> list[CellStats]:
             complete=len(cs) == len(datasets_of[bb]),
         ))
     return sorted(cells, key=_cell_key)
+
+
+_MISSING = object()
+
+
+def _eval_order(protocol: str, name: str, order: dict) -> tuple:
+    fixed = {"base": 0, "new": 1, "hm": 2, "source": 0, AVERAGE: 10**6}
+    return (fixed.get(name, 1 + order.get(name, 0)), name)
+
+
+def _over_seeds(key: tuple, name: str, rs: list[RunResult]) -> ProtocolCell:
+    seeds = tuple(r.seed for r in rs)
+    values = [r.evals.get(name, _MISSING) for r in rs]
+    if any(v is _MISSING for v in values):
+        return ProtocolCell(*key, name, None, None, None, len(rs), seeds=seeds,
+                            reason=f"tested in {sum(v is not _MISSING for v in values)} of {len(rs)} seeds")
+    if any(v is None for v in values):
+        return ProtocolCell(*key, name, None, None, None, len(rs), seeds=seeds,
+                            reason="the method cannot score these classes")
+    mean, std, ci95 = summarize(values)
+    return ProtocolCell(*key, name, mean, std, ci95, len(rs), seeds=seeds, values=tuple(values))
+
+
+def aggregate_protocols(runs: Iterable[RunResult]) -> list[ProtocolCell]:
+    """The cells of the generalisation protocols' runs (module docstring), sorted: per (protocol, backbone,
+    dataset, method, shots) each test set over seeds, then ``hm`` (base2new) or ``average`` (over targets);
+    base2new with several datasets adds ``dataset == "average"`` rows; ``delta_zeroshot`` against the zero-shot
+    cell of the same protocol, backbone, dataset and test set."""
+    groups: dict[tuple, list[RunResult]] = {}
+    for r in runs:
+        if r.protocol != FEWSHOT:
+            groups.setdefault((r.protocol, r.backbone, r.dataset, r.method, r.shots), []).append(r)
+    cells: list[ProtocolCell] = []
+    order: dict[str, int] = {}  # targets in the order the runs list them
+    for key, rs in groups.items():
+        rs = sorted(rs, key=lambda r: r.seed)
+        names = list(dict.fromkeys(n for r in rs for n in r.evals))
+        for n in names:
+            order.setdefault(n, len(order))
+        here = {n: _over_seeds(key, n, rs) for n in names}
+        seeds = tuple(r.seed for r in rs)
+        if key[0] == "base2new":
+            b, n = here["base"].mean, here["new"].mean
+            hm = None if b is None or n is None else harmonic_mean(b, n)
+            here["hm"] = ProtocolCell(*key, "hm", hm, None, None, len(rs), seeds=seeds,
+                                      reason="" if hm is not None else "needs base and new")
+        else:
+            targets = [t for t in names if t != "source"]
+            means = [here[t].mean for t in targets]
+            avg = None if None in means else statistics.fmean(means)
+            here[AVERAGE] = ProtocolCell(*key, AVERAGE, avg, None, None, len(targets), seeds=seeds,
+                                         datasets=tuple(targets), reason="" if avg is not None else "a target is n/a")
+        cells.extend(here.values())
+
+    # base2new: the average over datasets (CoCoOp's Table 1: H of the averaged base and new).
+    datasets_of: dict[str, set[str]] = {}
+    by_avg: dict[tuple, dict[str, tuple]] = {}
+    for c in cells:
+        if c.protocol == "base2new" and c.eval in ("base", "new"):
+            datasets_of.setdefault(c.backbone, set()).add(c.dataset)
+            row = by_avg.setdefault((c.backbone, c.method, c.shots), {}).setdefault(c.dataset, [None, None])
+            row[c.eval == "new"] = c.mean
+    for (bb, method, shots), rows in by_avg.items():
+        if len(datasets_of[bb]) < 2:
+            continue
+        names = tuple(sorted(rows))
+        complete = len(names) == len(datasets_of[bb])
+        key = ("base2new", bb, AVERAGE, method, shots)
+        if any(None in r for r in rows.values()):
+            b = [r[0] for r in rows.values()]
+            n = [r[1] for r in rows.values()]
+            avg = {"base": None if None in b else statistics.fmean(b),
+                   "new": None if None in n else statistics.fmean(n), "hm": None}
+        else:
+            avg = base2new_table({ds: tuple(r) for ds, r in rows.items()}).get(AVERAGE) or {}
+            if len(rows) == 1:  # base2new_table adds no average row for one dataset
+                (b, n), = rows.values()
+                avg = {"base": b, "new": n, "hm": harmonic_mean(b, n)}
+        for name in ("base", "new", "hm"):
+            cells.append(ProtocolCell(*key, name, avg[name], None, None, len(names), datasets=names,
+                                      complete=complete, reason="" if avg[name] is not None else "n/a in a dataset"))
+
+    zs = {(c.protocol, c.backbone, c.dataset, c.eval): c.mean for c in cells if c.method == ZEROSHOT and c.shots == 0}
+    out = []
+    for c in cells:
+        base = zs.get((c.protocol, c.backbone, c.dataset, c.eval))
+        delta = None if c.mean is None or base is None else c.mean - base
+        out.append(dataclasses.replace(c, delta_zeroshot=delta))
+    return sorted(out, key=lambda c: (PROTOCOLS.index(c.protocol), c.backbone, not c.is_average, c.dataset,
+                                      _method_key(c.method), c.shots, _eval_order(c.protocol, c.eval, order)))
 
 
 def cost_stats(runs: Iterable[RunResult], cells: Sequence[CellStats]) -> list[CostStats]:
@@ -524,8 +724,66 @@ def _cost_markdown(bb: str, costs: list[CostStats], figure: str) -> list[str]:
     ]
 
 
+def _fmt_protocol_cell(c: ProtocolCell | None) -> str:
+    if c is None:
+        return "–"
+    if c.mean is None:
+        return NA
+    text = f"{c.mean:.2f}"
+    if c.derived:
+        return text if c.complete else f"{text}†"
+    if c.ci95 is not None:
+        text += f" ± {c.ci95:.2f}"
+    return f"{text} ({c.n})"
+
+
+_PROTOCOL_NOTES = {
+    "base2new": (
+        "CoCoOp's Table 1. Base: the base classes' test images among the base classes (the classes trained on); "
+        "New: the new classes' test images among the new classes, none of which was trained on; mean over seeds "
+        "± 95% CI (seeds in brackets). H: the harmonic mean of the Base and New seed means; on the average rows, "
+        "of the averaged Base and New."),
+    "cross_dataset": (
+        "CoCoOp's Table 2. Source: the source's test images; each target: its test images among its own classes, "
+        "scored with its own class names; mean over seeds ± 95% CI (seeds in brackets). Average: the mean over "
+        "the targets of their seed means."),
+    "domain_shift": (
+        "CoCoOp's Table 3. Source: the source's test images; each target (a shifted version of the source with "
+        "its classes, or some of them): its test images among its own classes; mean over seeds ± 95% CI (seeds in "
+        "brackets). Average: the mean over the targets of their seed means."),
+}
+
+
+def _protocol_markdown(protocol: str, cells: list[ProtocolCell]) -> list[str]:
+    out = [f"## {PROTOCOL_TITLES[protocol]} (`{protocol}`)", "", _PROTOCOL_NOTES[protocol] + " n/a: the method "
+           "cannot score classes it was not trained on (one weight per trained class).", ""]
+    for bb in sorted({c.backbone for c in cells}):
+        here = [c for c in cells if c.backbone == bb]
+        at = {(c.dataset, c.method, c.shots, c.eval): c for c in here}
+        rows = list(dict.fromkeys((c.dataset, c.method, c.shots) for c in here))  # sorted: average block first
+        if protocol == "base2new":
+            body = [["**average**" if ds == AVERAGE else ds, m, str(k),
+                     *(_fmt_protocol_cell(at.get((ds, m, k, e))) for e in ("base", "new", "hm"))]
+                    for ds, m, k in rows]
+            out += [f"### `{bb}`", "", *_md_table(["Dataset", "Method", "Shots", "Base", "New", "H"], body), ""]
+            partial = sorted({(c.method, c.shots, c.datasets) for c in here if c.is_average and not c.complete})
+            for m, k, names in partial:
+                out.append(f"† `{m}` at {k} shots: average over {', '.join(names)} only")
+            out += [""] if partial else []
+            continue
+        for ds in dict.fromkeys(ds for ds, _, _ in rows):
+            targets = list(dict.fromkeys(c.eval for c in here if c.dataset == ds
+                                         and c.eval not in ("source", AVERAGE)))
+            body = [[m, str(k), *(_fmt_protocol_cell(at.get((ds, m, k, e))) for e in ("source", *targets, AVERAGE))]
+                    for d, m, k in rows if d == ds]
+            headers = ["Method", "Shots", f"Source: {ds}", *targets, "Average"]
+            out += [f"### `{bb}`, from `{ds}`", "", *_md_table(headers, body), ""]
+    return out
+
+
 def render_markdown(run_root: Path, runs: list[RunResult], cells: list[CellStats],
-                    skipped: list[SkippedFile], costs: Sequence[CostStats] = ()) -> str:
+                    skipped: list[SkippedFile], costs: Sequence[CostStats] = (),
+                    protocol_cells: Sequence[ProtocolCell] = ()) -> str:
     backbones = sorted({c.backbone for c in cells})
     figures = figure_names(backbones)
     cost_figures = figure_names(sorted({c.backbone for c in costs}), COST_FIGURE_FILE) if costs else {}
@@ -535,16 +793,23 @@ def render_markdown(run_root: Path, runs: list[RunResult], cells: list[CellStats
         f"{len(runs)} runs from `{run_root}`"
         + (f" ({len(skipped)} file(s) skipped, listed at the end)." if skipped else "."),
         "",
-        "Cells: mean top-1 accuracy (%) over seeds ± 95% confidence half-width "
-        "(Student's t, sample std), number of seeds in brackets; one seed gives the mean alone. "
-        "**Bold**: best mean in that column for that dataset. "
-        "Average rows: mean over datasets of the per-dataset means.",
-        "",
     ]
+    if cells:
+        out += [
+            "Cells: mean top-1 accuracy (%) over seeds ± 95% confidence half-width "
+            "(Student's t, sample std), number of seeds in brackets; one seed gives the mean alone. "
+            "**Bold**: best mean in that column for that dataset. "
+            "Average rows: mean over datasets of the per-dataset means.",
+            "",
+        ]
     for bb in backbones:
         out += _backbone_markdown(bb, [c for c in cells if c.backbone == bb], figures[bb])
         if bb in cost_figures:
             out += _cost_markdown(bb, [c for c in costs if c.backbone == bb], cost_figures[bb])
+    for protocol in PROTOCOLS:
+        mine = [c for c in protocol_cells if c.protocol == protocol]
+        if mine:
+            out += _protocol_markdown(protocol, mine)
     if skipped:
         out += ["## Skipped files", ""]
         for s in skipped:
@@ -565,24 +830,30 @@ def _num(x: float | None) -> float | None:
     return None if x is None else round(x, 6)
 
 
-def render_csv(cells: Sequence[CellStats]) -> str:
+def render_csv(cells: Sequence[CellStats], protocol_cells: Sequence[ProtocolCell] = ()) -> str:
+    """Every cell, few-shot (protocol ``fewshot``, eval ``all``) then the protocols'; an empty ``mean`` is "n/a"
+    (or, on an average row, an average over a cell that is)."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(CSV_COLUMNS)
-    for c in cells:
+    for c in [*cells, *protocol_cells]:
         w.writerow([
             c.backbone, c.dataset, c.method, c.shots,
             *("" if v is None else v for v in map(_num, (c.mean, c.std, c.ci95))),
             c.n, "" if c.delta_zeroshot is None else _num(c.delta_zeroshot),
             ";".join(map(str, c.seeds)), ";".join(c.datasets),
+            getattr(c, "protocol", FEWSHOT), getattr(c, "eval", "all"),
         ])
     return buf.getvalue()
 
 
 def to_json(report_root: Path, runs: list[RunResult], cells: Sequence[CellStats],
-            skipped: Sequence[SkippedFile], costs: Sequence[CostStats] = ()) -> dict:
-    """``backbones[bb]["results"][dataset or "average"][method][str(shots)]`` -> stats;
-    ``backbones[bb]["cost"][method][str(shots)]`` -> mean cost per run."""
+            skipped: Sequence[SkippedFile], costs: Sequence[CostStats] = (),
+            protocol_cells: Sequence[ProtocolCell] = ()) -> dict:
+    """``backbones[bb]["results"][dataset or "average"][method][str(shots)]`` -> stats (the few-shot protocol);
+    ``backbones[bb]["cost"][method][str(shots)]`` -> mean cost per run;
+    ``protocols[protocol][bb][dataset or "average"][method][str(shots)][eval]`` -> stats, ``mean`` null and
+    ``na`` the reason where the method cannot score the test set."""
     backbones: dict[str, Any] = {}
     for c in cells:
         bb = backbones.setdefault(c.backbone, {"datasets": [], "results": {}})
@@ -600,9 +871,22 @@ def to_json(report_root: Path, runs: list[RunResult], cells: Sequence[CellStats]
         bb.setdefault("cost", {}).setdefault(c.method, {})[str(c.shots)] = {
             **{k: _num(getattr(c, k)) for k in COST_COLUMNS}, "memory": c.memory, "runs": c.n,
             "top1": _num(c.top1)}
+    protocols: dict[str, Any] = {}
+    for c in protocol_cells:
+        entry = {"mean": _num(c.mean), "std": _num(c.std), "ci95": _num(c.ci95), "n": c.n,
+                 "delta_zeroshot": _num(c.delta_zeroshot)}
+        if c.mean is None:
+            entry["na"] = c.reason or NA
+        if c.is_average or c.eval == AVERAGE:
+            entry.update(datasets=list(c.datasets), complete=c.complete)
+        if not c.derived:
+            entry.update(seeds=list(c.seeds), values=list(c.values))
+        (protocols.setdefault(c.protocol, {}).setdefault(c.backbone, {}).setdefault(c.dataset, {})
+         .setdefault(c.method, {}).setdefault(str(c.shots), {}))[c.eval] = entry
     return {
         "run_root": str(report_root),
         "n_runs": len(runs),
+        "protocols": protocols,
         "conventions": {
             "std": "sample standard deviation (ddof=1); null with one seed",
             "ci95": "t(0.975, n-1) * std / sqrt(n); null with one seed",
@@ -611,6 +895,9 @@ def to_json(report_root: Path, runs: list[RunResult], cells: Sequence[CellStats]
             "cost": "mean over the runs (datasets and seeds) that record it; images encoded include shared "
                     "features, charged in full to every run that uses them; peak memory in MiB (memory: "
                     "rss = process peak resident memory, cuda = the CUDA allocator's peak)",
+            "protocols": "per test set (eval) over seeds; hm: harmonic mean of the base and new seed means "
+                         "(on the average over datasets: of the averaged base and new); average (eval): mean "
+                         "over the targets of their seed means; mean null: n/a (na says why)",
         },
         "backbones": backbones,
         "skipped": [{"path": str(s.path), "reason": s.reason} for s in skipped],
@@ -747,10 +1034,13 @@ def build_report(run_root: str | Path) -> Report:
             f"no runs found under {str(run_root)!r}: expected run directories holding a {METRICS_FILE} "
             f"with method, dataset, backbone, shots, seed and top1{detail}"
         )
-    cells = aggregate(runs)
-    costs = cost_stats(runs, cells)
+    fewshot = [r for r in runs if r.protocol == FEWSHOT]
+    cells = aggregate(fewshot)
+    costs = cost_stats(fewshot, cells)
+    protocol_cells = aggregate_protocols(runs)
     return Report(run_root=run_root, runs=runs, cells=cells, skipped=skipped,
-                  markdown=render_markdown(run_root, runs, cells, skipped, costs), costs=costs)
+                  markdown=render_markdown(run_root, runs, cells, skipped, costs, protocol_cells), costs=costs,
+                  protocol_cells=protocol_cells)
 
 
 def write_report(run_root: str | Path, out_dir: str | Path | None = None) -> Report:
@@ -763,9 +1053,10 @@ def write_report(run_root: str | Path, out_dir: str | Path | None = None) -> Rep
     out = Path(out_dir) if out_dir is not None else report.run_root
     paths = {
         "md": atomic_write_text(out / "report.md", report.markdown),
-        "csv": atomic_write_text(out / "report.csv", render_csv(report.cells)),
+        "csv": atomic_write_text(out / "report.csv", render_csv(report.cells, report.protocol_cells)),
         "json": atomic_write_json(out / "report.json",
-                                  to_json(report.run_root, report.runs, report.cells, report.skipped, report.costs)),
+                                  to_json(report.run_root, report.runs, report.cells, report.skipped, report.costs,
+                                          report.protocol_cells)),
     }
     backbones = report.backbones
     names = figure_names(backbones)

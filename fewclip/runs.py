@@ -1,9 +1,15 @@
-"""Runs and sweeps: one run directory per (backbone, dataset, method, shots, seed).
+"""Runs and sweeps: one run directory per (protocol, backbone, dataset, method, shots, seed).
 
 A run directory holds ``config.yaml`` (the resolved config), ``split.json``
 (the few-shot image ids), ``adapter.safetensors`` (adapter tensors only) and
 ``metrics.json`` (accuracy and cost: ``fewclip.cost``); an adapter that trains
-on nothing (zeroshot) has no split and no tensors. Every file is written
+on nothing (zeroshot) has no split and no tensors. Under a generalisation
+protocol (``protocol=base2new``, ``cross_dataset``, ``domain_shift``: see
+``fewclip.datasets.protocols``) a run trains on its plan's training dataset
+(the base classes, or the source), is scored on every test set of the plan
+(``fewclip.evals``), keeps ``top1`` on its training classes and adds ``evals``
+per test set to ``metrics.json``, and writes the plan with its split as data in
+``protocol.json``. Every file is written
 atomically and fsynced, and ``metrics.json`` last, with a record of the run's
 identity and of its files' checksums (``fewclip.records``): a run is finished
 only if that record is valid. ``fewclip sweep`` skips finished runs of the same
@@ -13,29 +19,33 @@ sweeps share one out directory.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fewclip.adapters import AdapterConfig, adapter_info, build_adapter
-from fewclip.datasets import build_dataset, make_few_shot_split, write_split
+from fewclip.datasets import DataConfig, Dataset, FewShotSplit, build_dataset, make_few_shot_split, write_split
+from fewclip.datasets.protocols import (PROTOCOLS, TRANSFER_PROTOCOLS, ProtocolPlan, harmonic_mean, make_plan,
+                                        write_protocol_split)
 
-from .backbones import Backbone, load_backbone
+from .backbones import Backbone, BackboneConfig, load_backbone
 from .config import ConfigError, RunConfig, compose, split_args, to_object, to_yaml
 from .cost import RunCost
-from .engine import RunFeatures, TrainConfig, evaluate, fit_adapter
+from .engine import RunFeatures, TrainConfig, fit_adapter
 from .errors import user_errors
+from .evals import score_plan
 from .features import FeatureCache
 from .io import atomic_write
 from .records import (Identity, Run, RunLock, RunState, claim_run, config_dict, data_part, open_run, prepare_dir,
                       remove_leftovers, run_identity, run_state, tidy, weights_checksum)
-from .zeroshot import test_items
+from .zeroshot import TEST_SUBSET_SEED, test_items
 
 log = logging.getLogger(__name__)
 
@@ -101,59 +111,142 @@ def as_train_config(cfg: RunConfig, adapter: AdapterConfig, shots: int = 0) -> T
 # ---------------------------------------------------------------------------
 
 
-def run_identity_of(cfg: RunConfig, backbone: Backbone, dataset, split=None) -> Identity:
+def target_data(data: DataConfig, name: str) -> DataConfig:
+    """The data section of a protocol's target dataset ``name``: the run's, renamed, without the source's split
+    file (CoOp's layouts keep every dataset under one ``data.root``)."""
+    return dataclasses.replace(data, name=name, split_file=None)
+
+
+def build_plan(cfg: RunConfig, dataset: Optional[Dataset] = None) -> ProtocolPlan:
+    """The run's protocol plan: ``dataset`` (default: built from ``cfg.data``) as the source, and the datasets of
+    ``cfg.targets``."""
+    source = dataset if dataset is not None else build_dataset(cfg.data)
+    return make_plan(cfg.protocol, source, [build_dataset(target_data(cfg.data, t)) for t in cfg.targets])
+
+
+class RunResources:
+    """Backbones, datasets and protocol plans, each built once per config and shared by the runs of a sweep:
+    ``resources(cfg) -> (backbone, plan)``. Features are cached per dataset object (``FeatureCache``), so runs
+    share features only if they share the dataset objects: a plan's class views are built once, and a dataset
+    that is a source in one plan and a target in another is one object."""
+
+    def __init__(self):
+        self._backbones: Dict[str, Backbone] = {}
+        self._datasets: Dict[str, Dataset] = {}
+        self._plans: Dict[Tuple, ProtocolPlan] = {}
+
+    def backbone(self, cfg: BackboneConfig) -> Backbone:
+        key = to_yaml(cfg)
+        if key not in self._backbones:
+            self._backbones[key] = load_backbone(cfg)
+        return self._backbones[key]
+
+    # DataConfig fields that say how a dataset is used, not what build_dataset returns: runs that differ only in
+    # them share one dataset object (and so its rendered images and cached features).
+    USE_ONLY = ("templates", "allow_fewer_shots", "batch_size", "workers", "max_test")
+
+    def dataset(self, cfg: DataConfig) -> Dataset:
+        key = to_yaml(dataclasses.replace(cfg, **{f: getattr(DataConfig(), f) for f in self.USE_ONLY}))
+        if key not in self._datasets:
+            self._datasets[key] = build_dataset(cfg)
+        return self._datasets[key]
+
+    def plan(self, cfg: RunConfig) -> ProtocolPlan:
+        key = (id(self.dataset(cfg.data)), cfg.protocol, tuple(cfg.targets))  # targets: built from cfg.data
+        if key not in self._plans:
+            self._plans[key] = make_plan(cfg.protocol, self.dataset(cfg.data),
+                                         [self.dataset(target_data(cfg.data, t)) for t in cfg.targets])
+        return self._plans[key]
+
+    def __call__(self, cfg: RunConfig) -> Tuple[Backbone, ProtocolPlan]:
+        return self.backbone(cfg.backbone), self.plan(cfg)
+
+
+def few_shot_split(cfg: TrainRunConfig, plan: ProtocolPlan) -> Optional[FewShotSplit]:
+    """The run's few-shot split, drawn from the plan's training dataset; None for an adapter that trains on
+    nothing."""
+    if adapter_info(cfg.adapter.name).adapter_cls.trained_by is None:
+        return None
+    return make_few_shot_split(plan.train, cfg.shots, cfg.seed, allow_fewer=cfg.data.allow_fewer_shots)
+
+
+def run_identity_of(cfg: RunConfig, backbone: Backbone, plan, split=None) -> Identity:
     """The run's identity (``fewclip.records``): its config, the backbone's weights checksum, and the class
-    names, templates, few-shot split and test images it uses. The ``train`` section of an adapter that trains
-    on nothing (zeroshot) is no part of it: a sweep's ``train.*`` arguments do not change its numbers."""
+    names, templates, few-shot split and test images it uses; under a protocol other than fewshot also each
+    test set's dataset, class names, templates, class map and test images. ``plan`` is the run's
+    ``ProtocolPlan`` (a ``Dataset`` is taken as the source of ``build_plan``).
+
+    The ``train`` section of an adapter that trains on nothing (zeroshot) is no part of it: a sweep's
+    ``train.*`` arguments do not change its numbers. (Nor are ``protocol`` and ``targets`` at their defaults:
+    ``records.LATER_KEY_DEFAULTS``.)"""
+    if not isinstance(plan, ProtocolPlan):
+        plan = build_plan(cfg, plan)
     conf = config_dict(cfg)
     if adapter_info(conf["adapter"]["name"]).adapter_cls.trained_by is None:
         conf.pop("train", None)
-    data = data_part(dataset=dataset.name, classnames=dataset.classnames,
-                     templates=dataset.prompts(cfg.data.templates), test=test_items(dataset, cfg.data.max_test),
-                     split=split.to_json() if split else None)
+    mode, max_test = cfg.data.templates, cfg.data.max_test
+    evals = None
+    if plan.protocol != "fewshot":
+        evals = [{"name": e.name, "dataset": e.dataset.name, "classnames": list(e.dataset.classnames),
+                  "templates": e.dataset.prompts(mode), "class_map": e.class_map,
+                  "test": test_items(e.dataset, max_test)} for e in plan.evals]
+    train = plan.train
+    data = data_part(dataset=train.name, classnames=train.classnames, templates=train.prompts(mode),
+                     test=test_items(train, max_test), split=split.to_json() if split else None, evals=evals)
     return run_identity(conf, weights_checksum(backbone), data)
 
 
 def run_train(cfg: TrainRunConfig, out: Path, *, backbone: Optional[Backbone] = None, dataset=None,
-              cache: Optional[FeatureCache] = None, method: Optional[str] = None, lock: Optional[RunLock] = None,
-              overwrite: Optional[bool] = None) -> Dict:
-    """Train one adapter on one few-shot split (none for an adapter that trains on nothing) and test it;
-    ``method`` labels it in metrics.json. ``cache`` shares frozen-tower features between the runs of a sweep.
-    An existing run in ``out`` is handled by ``records.open_run``; ``lock``: the directory's lock, already
-    held by the caller."""
-    dataset = dataset or build_dataset(cfg.data)
+              plan: Optional[ProtocolPlan] = None, cache: Optional[FeatureCache] = None, method: Optional[str] = None,
+              lock: Optional[RunLock] = None, overwrite: Optional[bool] = None) -> Dict:
+    """Train one adapter on one few-shot split (none for an adapter that trains on nothing) of the protocol
+    plan's training dataset and score it on every test set of the plan; ``method`` labels it in metrics.json.
+    ``plan`` (or ``dataset``, its source) and ``backbone`` are built from ``cfg`` when not given; ``cache``
+    shares frozen-tower features between the runs of a sweep. An existing run in ``out`` is handled by
+    ``records.open_run``; ``lock``: the directory's lock, already held by the caller."""
+    plan = plan or build_plan(cfg, dataset)
     backbone = backbone or load_backbone(cfg.backbone)
-    split = None
-    if adapter_info(cfg.adapter.name).adapter_cls.trained_by is not None:
-        split = make_few_shot_split(dataset, cfg.shots, cfg.seed, allow_fewer=cfg.data.allow_fewer_shots)
-    identity = run_identity_of(cfg, backbone, dataset, split)
+    split = few_shot_split(cfg, plan)
+    identity = run_identity_of(cfg, backbone, plan, split)
     with open_run(out, identity, overwrite=cfg.overwrite if overwrite is None else overwrite, lock=lock) as run:
         if run.done:
             log.info("%s: already finished with this config; overwrite=true runs it again", out)
             return run.metrics
-        return _train(run, cfg, out, backbone, dataset, cache, split, method)
+        return _train(run, cfg, out, backbone, plan, cache, split, method)
 
 
-def _train(run: Run, cfg: TrainRunConfig, out: Path, backbone: Backbone, dataset, cache: Optional[FeatureCache],
-           split, method: Optional[str]) -> Dict:
+def _train(run: Run, cfg: TrainRunConfig, out: Path, backbone: Backbone, plan: ProtocolPlan,
+           cache: Optional[FeatureCache], split, method: Optional[str]) -> Dict:
     from safetensors.torch import save_file
 
     from .io import atomic_write_text
 
     atomic_write_text(out / "config.yaml", to_yaml(cfg))
-    cost = RunCost(backbone.device)  # from here: the backbone and dataset are shared by a sweep's runs
+    cost = RunCost(backbone.device)  # from here: the backbone and datasets are shared by a sweep's runs
     files = ["config.yaml"]
     if split is not None:
         write_split(split, out / "split.json")
         files.append("split.json")
+    if plan.protocol != "fewshot":
+        write_protocol_split(plan, split, out / "protocol.json", max_test=cfg.data.max_test,
+                             test_seed=TEST_SUBSET_SEED)
+        files.append("protocol.json")
+    dataset = plan.train
     generator = torch.Generator().manual_seed(cfg.seed)
     adapter = build_adapter(cfg.adapter, backbone, dataset.classnames, dataset.prompts(cfg.data.templates),
                             generator=generator)
     features = RunFeatures(adapter, dataset, split, cfg.train, seed=cfg.seed, cache=cache, cost=cost,
                            batch_size=cfg.data.batch_size, workers=cfg.data.workers)
     info = fit_adapter(adapter, features, cfg.train, shots=cfg.shots, generator=generator)
-    feats, labels = features.test(test_items(dataset, cfg.data.max_test))
-    metrics = evaluate(adapter, feats, labels, dataset.classnames, amp=cfg.train.amp)
+    evals = score_plan(adapter, plan, templates=cfg.data.templates, max_test=cfg.data.max_test, train_cfg=cfg.train,
+                       seed=cfg.seed, cache=features.cache, cost=cost, batch_size=cfg.data.batch_size,
+                       workers=cfg.data.workers, amp=cfg.train.amp)
+    own = evals[plan.evals[0].name]  # the training classes: "all", "base" or "source"
+    metrics = {k: own[k] for k in ("top1", "per_class", "n_test")}
+    if plan.protocol != "fewshot":
+        metrics["evals"] = evals
+        if plan.protocol == "base2new" and None not in (evals["base"]["top1"], evals["new"]["top1"]):
+            metrics["hm"] = round(harmonic_mean(evals["base"]["top1"], evals["new"]["top1"]), 4)
     sd = adapter.adapter_state_dict()
     if sd:
         meta = {"adapter": cfg.adapter.name, "backbone": backbone.name, "dataset": dataset.name,
@@ -163,7 +256,8 @@ def _train(run: Run, cfg: TrainRunConfig, out: Path, backbone: Backbone, dataset
     metrics.update({
         "method": method or cfg.adapter.name,
         "adapter": cfg.adapter.name,
-        "dataset": dataset.name,
+        "protocol": plan.protocol,
+        "dataset": plan.source.name,
         "backbone": backbone.name,
         "geometry": backbone.geometry.name,
         "shots": cfg.shots,
@@ -174,8 +268,8 @@ def _train(run: Run, cfg: TrainRunConfig, out: Path, backbone: Backbone, dataset
         "backbone_info": backbone.describe(),
     })
     run.finish(metrics, files=files, tensors=sd)
-    log.info("%s %d-shot seed %d on %s with %s: top1 %.2f%% (%.1f s)", metrics["method"], cfg.shots, cfg.seed,
-             dataset.name, backbone.name, metrics["top1"], metrics["wall_time_s"])
+    log.info("%s %d-shot seed %d on %s with %s (%s): top1 %.2f%% (%.1f s)", metrics["method"], cfg.shots, cfg.seed,
+             dataset.name, backbone.name, plan.protocol, metrics["top1"], metrics["wall_time_s"])
     return metrics
 
 
@@ -201,6 +295,24 @@ class SweepSpec:
     variants: Dict[str, List[str]] = field(default_factory=dict)
     # key=value overrides per backbone (e.g. for an open_clip backbone's pretrained tag).
     backbone_args: Dict[str, List[str]] = field(default_factory=dict)
+    # The generalisation protocol of every run (fewclip.datasets.protocols): fewshot, base2new (`datasets` are
+    # split into base and new classes), cross_dataset or domain_shift (`datasets` are the sources). Runs of a
+    # protocol other than fewshot go under OUT/<protocol>/, so one out directory can hold several protocols.
+    protocol: str = "fewshot"
+    # cross_dataset / domain_shift: the targets of each source ({toy-shapes: [toy-sketch, toy-shapes-faded]});
+    # a source left out gets the protocol's default targets (fewclip.datasets.protocols.default_targets).
+    targets: Dict[str, List[str]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"sweep.protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
+        if self.targets and self.protocol not in TRANSFER_PROTOCOLS:
+            raise ValueError(f"sweep.targets apply to protocol cross_dataset or domain_shift only, not "
+                             f"{self.protocol!r}; remove them")
+        unknown = sorted(set(self.targets) - set(self.datasets))
+        if unknown:
+            raise ValueError(f"sweep.targets names source(s) {', '.join(unknown)} that are not in sweep.datasets "
+                             f"({', '.join(self.datasets)}); the keys of sweep.targets are source datasets")
 
 
 @dataclass
@@ -224,7 +336,7 @@ def load_sweep_config(args: Sequence[str]) -> SweepConfig:
     chooses (method labels, backbone names), so they accept new keys; everything else stays in struct mode,
     and each run's own arguments are checked by ``run_sweep`` before the first run starts."""
     base = OmegaConf.structured(SweepConfig)
-    for node in (base.sweep.variants, base.sweep.backbone_args):
+    for node in (base.sweep.variants, base.sweep.backbone_args, base.sweep.targets):
         OmegaConf.set_struct(node, False)  # values keep their type (a list of strings)
     return to_object(compose(SweepConfig, args, base=base))
 
@@ -238,27 +350,35 @@ def _safe(name: str) -> str:
 
 
 def plan_sweep(spec: SweepSpec) -> List[Dict[str, Any]]:
-    """Every run of the sweep as {backbone, dataset, method, shots, seed, args, dir}."""
+    """Every run of the sweep as {protocol, backbone, dataset, method, shots, seed, args, dir}. A few-shot run's
+    dir is ``<backbone>/<dataset>/<method>/<k>shot/seed<s>``; another protocol's is the same under
+    ``<protocol>/``."""
     runs = []
+    protocol = spec.protocol
+    root = Path() if protocol == "fewshot" else Path(protocol)
     for bb in spec.backbones:
         for ds in spec.datasets:
+            proto = [] if protocol == "fewshot" else [f"protocol={protocol}"]
+            if ds in spec.targets:
+                proto.append(f"targets=[{','.join(spec.targets[ds])}]")
             for method in spec.methods:
-                base = [f"backbone={bb}", f"data={ds}", *spec.backbone_args.get(bb, []), *spec.args]
+                base = [f"backbone={bb}", f"data={ds}", *proto, *spec.backbone_args.get(bb, []), *spec.args]
                 margs = spec.variants.get(method, [f"adapter={method}"])
                 try:
                     untrained = adapter_info(_adapter_name(margs)).adapter_cls.trained_by is None
                 except ValueError as e:
                     raise ConfigError(f"sweep method {method!r}: {e}") from None
                 if untrained:  # nothing to train: one run, at 0 shots
-                    runs.append({"backbone": bb, "dataset": ds, "method": method, "shots": 0, "seed": 1,
-                                 "args": [*base, *margs, "shots=0"], "dir": Path(_safe(bb)) / ds / method})
+                    runs.append({"protocol": protocol, "backbone": bb, "dataset": ds, "method": method, "shots": 0,
+                                 "seed": 1, "args": [*base, *margs, "shots=0"],
+                                 "dir": root / _safe(bb) / ds / method})
                     continue
                 for k in spec.shots:
                     for s in spec.seeds:
-                        runs.append({"backbone": bb, "dataset": ds, "method": method,
+                        runs.append({"protocol": protocol, "backbone": bb, "dataset": ds, "method": method,
                                      "shots": k, "seed": s,
                                      "args": [*base, *margs, f"shots={k}", f"seed={s}"],
-                                     "dir": Path(_safe(bb)) / ds / method / f"{k}shot" / f"seed{s}"})
+                                     "dir": root / _safe(bb) / ds / method / f"{k}shot" / f"seed{s}"})
     return runs
 
 
@@ -299,25 +419,12 @@ def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, int
         c.log_level = cfg.log_level
         parsed.append(c)
     # Load what the runs need and work out each run's identity: a finished run counts only if it is this one.
-    backbones: Dict[str, Backbone] = {}
-    datasets: Dict[str, Any] = {}
-
-    def resources(c):
-        bkey, dkey = to_yaml(c.backbone), to_yaml(c.data)
-        if bkey not in backbones:
-            backbones[bkey] = load_backbone(c.backbone)
-        if dkey not in datasets:
-            datasets[dkey] = build_dataset(c.data)
-        return backbones[bkey], datasets[dkey]
-
+    resources = RunResources()
     plans = []
     for r, c in zip(runs, parsed):
         try:
-            bb, ds = resources(c)
-            trained = adapter_info(c.adapter.name).adapter_cls.trained_by is not None
-            split = make_few_shot_split(ds, c.shots, c.seed, allow_fewer=c.data.allow_fewer_shots) if trained \
-                else None
-            identity = run_identity_of(c, bb, ds, split)
+            bb, plan = resources(c)
+            identity = run_identity_of(c, bb, plan, few_shot_split(c, plan))
         except user_errors() as e:
             raise _in_run(e, r) from e
         plans.append(_Planned(r, c, identity, run_state(out / r["dir"], identity)))
@@ -353,8 +460,8 @@ def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, int
                     bar.update()
                     continue
                 bar.set_postfix_str(f"{r['method']} {r['dataset']} {r['shots']}-shot seed {r['seed']}")
-                bb, ds = resources(c)
-                kwargs = dict(backbone=bb, dataset=ds, cache=cache, method=r["method"], lock=lock, overwrite=True)
+                bb, plan = resources(c)
+                kwargs = dict(backbone=bb, plan=plan, cache=cache, method=r["method"], lock=lock, overwrite=True)
                 try:
                     run_train(c, d, **kwargs)
                 except user_errors() as e:

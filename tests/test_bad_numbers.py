@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-import fewclip.runs
+import fewclip.evals
 from fewclip.adapters.base import Adapter
 from fewclip.cli import main
 from fewclip.config import ConfigError, load_config
@@ -41,17 +41,17 @@ def test_diverged_training_stops_and_records_nothing(tmp_path, capsys):
 
 
 def test_non_finite_metrics_or_adapter_tensors_are_never_recorded(tmp_path, capsys, monkeypatch):
-    real_evaluate = fewclip.runs.evaluate
+    real_evaluate = fewclip.evals.evaluate
 
     def nan_top1(*args, **kwargs):
         return {**real_evaluate(*args, **kwargs), "top1": float("nan")}
 
-    monkeypatch.setattr(fewclip.runs, "evaluate", nan_top1)
+    monkeypatch.setattr(fewclip.evals, "evaluate", nan_top1)
     out = tmp_path / "metric"
     assert main([*TRAIN, "adapter=linear_probe", f"out={out}"]) == 1
     assert "metric top1 = nan is not a finite number" in capsys.readouterr().err
     assert not (out / "metrics.json").exists()
-    monkeypatch.setattr(fewclip.runs, "evaluate", real_evaluate)
+    monkeypatch.setattr(fewclip.evals, "evaluate", real_evaluate)
 
     real_sd = Adapter.adapter_state_dict
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import fewclip.evals
 import fewclip.runs
 from fewclip.cli import main
 from fewclip.config import ConfigError
@@ -130,7 +131,7 @@ def test_interrupted_run_leaves_no_metrics(tmp_path, monkeypatch, capsys):
         calls.append(1)
         raise RuntimeError("power cut")
 
-    monkeypatch.setattr(fewclip.runs, "evaluate", broken)
+    monkeypatch.setattr(fewclip.evals, "evaluate", broken)
     out = tmp_path / "run"
     assert main([*TRAIN, f"out={out}"]) == 1  # an unexpected error: one message, no trace
     err = capsys.readouterr().err
@@ -143,7 +144,7 @@ def test_interrupted_run_leaves_no_metrics(tmp_path, monkeypatch, capsys):
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(fewclip.runs, "evaluate", interrupt)
+    monkeypatch.setattr(fewclip.evals, "evaluate", interrupt)
     assert main([*TRAIN, f"out={out}"]) == 130
     assert "interrupted" in capsys.readouterr().err
     assert not (out / "metrics.json").exists() and not leftovers(out)
