@@ -23,7 +23,7 @@ the tower runs at the full context length.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -119,11 +119,14 @@ class TextTower:
         """Token embeddings [N, L, W] for ids [N, L]."""
         return self.token_embedding(tokens)
 
-    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor,
+                before_block: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
         """Raw text features [N, D] from prompt embeddings ``x`` [N, L, W] and their ids ``tokens`` [N, L].
 
         ``tokens`` decide the pooled position (``argmax``/``eos``) and padding;
         L may be shorter than the context length only where ``can_truncate``.
+        ``before_block(i, h) -> h``, when given, may change the hidden states [N, L, W] entering block i
+        (TCP puts its class-aware tokens in at one block).
         """
         N, L, W = x.shape
         if L > self.context_length:
@@ -136,7 +139,7 @@ class TextTower:
             heads = self.transformer.resblocks[0].attn.num_heads
             pad = pad.expand(N, L, L).repeat_interleave(heads, 0)
             mask = pad if mask is None else mask.unsqueeze(0) + pad
-        x = self.transformer(x, attn_mask=mask)
+        x = self.transformer(x, attn_mask=mask) if before_block is None else self._blocks(x, mask, before_block)
         x = self.ln_final(x)
         pooled = text_global_pool(x, tokens, self.pool_type, eos_token_id=self.eos_id)
         if self.text_projection is not None:
@@ -144,6 +147,13 @@ class TextTower:
                 else pooled @ self.text_projection
         return pooled.float()
 
+    def _blocks(self, x: torch.Tensor, mask: Optional[torch.Tensor], before_block) -> torch.Tensor:
+        """The transformer's blocks one by one on [N, L, W], with ``before_block`` at each block's input."""
+        batch_first = getattr(self.transformer, "batch_first", True)
+        for i, blk in enumerate(self.transformer.resblocks):
+            x = before_block(i, x)
+            x = blk(x, attn_mask=mask) if batch_first else blk(x.transpose(0, 1), attn_mask=mask).transpose(0, 1)
+        return x
 
     # -- shared prefix ----------------------------------------------------------
     @property
@@ -163,19 +173,33 @@ class TextTower:
         their own prompt; ``mask`` [T, P+T] (bool, True = may attend) lets a token see the prefix
         and the earlier tokens of its own prompt; ``pool_index`` [C] is each prompt's end-of-text
         token in ``packed``. Equal to ``forward`` on the padded prompts, with no work on padding.
+
+        Also in rows (``packed_suffix_rows``): ``packed`` [R, S, W], ``positions`` [R, S], ``mask``
+        [R, S, P+S], ``pool_index`` into the R * S flattened slots; every row attends to the prefix.
+        And with one prefix per image (CoCoOp: start token and image-conditioned context): ``prefix``
+        [B, P, W], ``packed`` as above or with a leading B; then the result is [B, C, D].
         """
-        P, W = prefix.shape
+        per_image = prefix.dim() == 3
+        prefix = prefix if per_image else prefix.unsqueeze(0)  # B, P, W
+        if positions.dim() == 1:  # one row
+            packed, positions, mask = packed.unsqueeze(-3), positions.unsqueeze(0), mask.unsqueeze(0)
+        B, P, W = prefix.shape
+        R, S = positions.shape
         dt = self.dtype
-        xp = (prefix.to(dt) + self.positional_embedding[:P].to(dt)).unsqueeze(0)  # 1, P, W
-        xs = (packed.to(dt) + self.positional_embedding[positions].to(dt)).unsqueeze(0)  # 1, T, W
+        xp = prefix.to(dt) + self.positional_embedding[:P].to(dt)  # B, P, W
+        xs = packed.to(dt) + self.positional_embedding[positions].to(dt)  # (B,) R, S, W
+        xs = xs.expand(B, R, S, W).reshape(B * R, S, W)
+        mask_s = mask.unsqueeze(1) if B == 1 else mask.unsqueeze(1).repeat(B, 1, 1, 1)  # B*R, 1, S, P+S
         causal_p = torch.ones(P, P, dtype=torch.bool, device=xp.device).tril()
         for blk in self.transformer.resblocks:
-            xp, xs = _block_shared(blk, xp, xs, causal_p, mask)
-        pooled = self.ln_final(xs[0, pool_index])  # LayerNorm is per token: pool first, then normalise
+            xp, xs = _block_shared(blk, xp, xs, causal_p, mask_s)
+        # LayerNorm is per token: pool first, then normalise
+        pooled = self.ln_final(xs.reshape(B, R * S, W)[:, pool_index])  # B, C, W
         if self.text_projection is not None:
             pooled = self.text_projection(pooled) if isinstance(self.text_projection, nn.Linear) \
                 else pooled @ self.text_projection
-        return pooled.float()
+        pooled = pooled.float()
+        return pooled if per_image else pooled[0]
 
 
 def _heads(x: torch.Tensor, h: int) -> torch.Tensor:
@@ -185,19 +209,25 @@ def _heads(x: torch.Tensor, h: int) -> torch.Tensor:
 
 def _block_shared(blk: ResidualAttentionBlock, xp: torch.Tensor, xs: torch.Tensor, mask_p: torch.Tensor,
                   mask_s: torch.Tensor):
-    """One pre-LN residual block on a shared prefix [1,P,W] and per-prompt suffixes [C,S,W]."""
+    """One pre-LN residual block on prefixes [Bp,P,W] and suffix rows [C,S,W], C a multiple of Bp (the rows
+    of prefix b are rows b*C/Bp .. (b+1)*C/Bp - 1)."""
     attn = blk.attn
     h = attn.num_heads
     C, S, W = xs.shape
+    Bp = xp.shape[0]
     qp, kp, vp = F.linear(blk.ln_1(xp), attn.in_proj_weight, attn.in_proj_bias).chunk(3, dim=-1)
     qs, ks, vs = F.linear(blk.ln_1(xs), attn.in_proj_weight, attn.in_proj_bias).chunk(3, dim=-1)
-    qp, kp, vp = _heads(qp, h), _heads(kp, h), _heads(vp, h)  # 1, h, P, d
+    qp, kp, vp = _heads(qp, h), _heads(kp, h), _heads(vp, h)  # Bp, h, P, d
     qs, ks, vs = _heads(qs, h), _heads(ks, h), _heads(vs, h)  # C, h, S, d
     ap = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask_p)
-    k_all = torch.cat([kp.expand(C, -1, -1, -1), ks], dim=2)  # C, h, P+S, d
-    v_all = torch.cat([vp.expand(C, -1, -1, -1), vs], dim=2)
+
+    def rows(t):  # Bp, h, P, d -> C, h, P, d: each prefix for each of its rows
+        return t.expand(C, -1, -1, -1) if Bp == 1 else t.repeat_interleave(C // Bp, dim=0)
+
+    k_all = torch.cat([rows(kp), ks], dim=2)  # C, h, P+S, d
+    v_all = torch.cat([rows(vp), vs], dim=2)
     as_ = F.scaled_dot_product_attention(qs, k_all, v_all, attn_mask=mask_s)
-    ap = ap.transpose(1, 2).reshape(1, -1, W)
+    ap = ap.transpose(1, 2).reshape(Bp, -1, W)
     as_ = as_.transpose(1, 2).reshape(C, S, W)
     xp = xp + blk.ls_1(attn.out_proj(ap))
     xs = xs + blk.ls_1(attn.out_proj(as_))
