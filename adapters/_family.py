@@ -71,11 +71,15 @@ def loss_near_teacher(adapter, features: torch.Tensor, labels: torch.Tensor, wei
     return {"loss": ce + weight * kg, "ce": ce, "kg": kg}
 
 
-def learned_for_classnames(adapter: Adapter, classnames: Sequence[str], templates: Sequence[str]) -> Adapter:
+def learned_for_classnames(adapter: Adapter, classnames: Sequence[str], templates: Sequence[str], *,
+                           scores_with_templates: bool = False) -> Adapter:
     """``adapter``'s learned tensors on other class names: the same method rebuilt for ``classnames`` and
     ``templates`` (class-name buffers, a teacher of the new classes), then its saved state loaded (a context
-    shared by all classes, a meta-network; a class-specific context cannot move to other classes)."""
-    if list(classnames) == adapter.classnames and list(templates) == adapter.templates:
+    shared by all classes, a meta-network; a class-specific context cannot move to other classes). The same
+    names give the adapter itself, unless its logits depend on the templates (``scores_with_templates``: TCP)
+    and those differ."""
+    same_templates = not scores_with_templates or list(templates) == adapter.templates
+    if list(classnames) == adapter.classnames and same_templates:
         return adapter
     if getattr(adapter.cfg, "csc", False):
         raise AdapterError(f"adapter {adapter.name!r} with adapter.csc=true learns one context per trained class "

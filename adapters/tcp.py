@@ -142,7 +142,7 @@ class TCP(CoOp):
         return loss_near_teacher(self, features, labels, self.cfg.weight)
 
     def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> "TCP":
-        return learned_for_classnames(self, classnames, templates)
+        return learned_for_classnames(self, classnames, templates, scores_with_templates=True)
 
 
 register_adapter("tcp", TCPConfig, TCP)

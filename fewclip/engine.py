@@ -399,6 +399,10 @@ def train_loop(adapter, source: FeatureSource, cfg: TrainConfig, shots: int, gen
     adapter.eval()
     info = {"epochs": epochs, "steps": step, "final_loss": history[-1]["loss"] if history else None,
             "loss_curve": [round(h["loss"], 5) for h in history]}
+    # The adapter's other loss terms (KgCoOp's penalty, ProGrad's distillation loss), per epoch.
+    terms = [k for k in (history[0] if history else {}) if k not in ("epoch", "loss", "val_top1")]
+    if terms:
+        info["loss_terms"] = {k: [round(h[k], 5) for h in history if k in h] for k in terms}
     if cfg.select == "val" and best[1] is not None:
         adapter.load_adapter_state_dict(best[1])
         info.update({"selected_epoch": best[2], "selected_val_top1": best[0]})
