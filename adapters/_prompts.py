@@ -94,7 +94,7 @@ def packed_suffixes(tokens: Sequence[Sequence[int]], prefix: int) -> Tuple[torch
 
 
 def packed_suffix_rows(tokens: Sequence[Sequence[int]], prefix: int, row_tokens: int) -> Tuple[torch.Tensor, ...]:
-    """``packed_suffixes`` in rows of at most ``row_tokens`` tokens (or the longest suffix, if longer): every
+    """``packed_suffixes`` in rows of about ``row_tokens`` tokens (balanced, at least the longest suffix): every
     prompt's suffix lies whole in one row, rows are filled in class order, the last slots of a row are padding.
 
     One row holding all C suffixes costs attention quadratic in C (ImageNet's 1000 classes make a row of
@@ -102,20 +102,28 @@ def packed_suffix_rows(tokens: Sequence[Sequence[int]], prefix: int, row_tokens:
     attended by every row. Returns ``cls`` [R, S] (-1 at padding), ``pos`` [R, S] (0 at padding), ``mask``
     [R, S, prefix + S] (a packed token sees the prefix and the earlier tokens of its own prompt; a padding
     slot sees only itself, so that no row of the attention is empty) and ``pool`` [C] (each prompt's last
-    token, as an index into the R * S flattened slots).
+    token, as an index into the R * S flattened slots). ``TextTower.forward_rows`` runs them.
     """
     lengths = [len(seq) - prefix for seq in tokens]
     if min(lengths) < 1:
         raise ValueError(f"every prompt needs at least one token after the {prefix}-token prefix")
-    S = max(row_tokens, max(lengths))
-    rows: List[List[int]] = [[]]  # prompt indices per row
-    used = 0
-    for c, n in enumerate(lengths):
-        if used + n > S:
-            rows.append([])
-            used = 0
-        rows[-1].append(c)
-        used += n
+    total, longest = sum(lengths), max(lengths)
+    # As many rows as row_tokens asks for, balanced: the shortest row length that fills them greedily
+    # (at most total / R + the longest suffix, which always fits in R rows).
+    n_rows = max(1, -(-total // max(row_tokens, longest)))
+    S = max(-(-total // n_rows), longest)
+    while True:
+        rows: List[List[int]] = [[]]  # prompt indices per row
+        used = 0
+        for c, n in enumerate(lengths):
+            if used + n > S:
+                rows.append([])
+                used = 0
+            rows[-1].append(c)
+            used += n
+        if len(rows) <= n_rows:
+            break
+        S += 1
     R = len(rows)
     cls_t = torch.full((R, S), -1, dtype=torch.long)
     pos_t = torch.zeros(R, S, dtype=torch.long)

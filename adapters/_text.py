@@ -173,33 +173,49 @@ class TextTower:
         their own prompt; ``mask`` [T, P+T] (bool, True = may attend) lets a token see the prefix
         and the earlier tokens of its own prompt; ``pool_index`` [C] is each prompt's end-of-text
         token in ``packed``. Equal to ``forward`` on the padded prompts, with no work on padding.
-
-        Also in rows (``packed_suffix_rows``): ``packed`` [R, S, W], ``positions`` [R, S], ``mask``
-        [R, S, P+S], ``pool_index`` into the R * S flattened slots; every row attends to the prefix.
-        And with one prefix per image (CoCoOp: start token and image-conditioned context): ``prefix``
-        [B, P, W], ``packed`` as above or with a leading B; then the result is [B, C, D].
         """
-        per_image = prefix.dim() == 3
-        prefix = prefix if per_image else prefix.unsqueeze(0)  # B, P, W
-        if positions.dim() == 1:  # one row
-            packed, positions, mask = packed.unsqueeze(-3), positions.unsqueeze(0), mask.unsqueeze(0)
-        B, P, W = prefix.shape
-        R, S = positions.shape
+        P, W = prefix.shape
         dt = self.dtype
-        xp = prefix.to(dt) + self.positional_embedding[:P].to(dt)  # B, P, W
-        xs = packed.to(dt) + self.positional_embedding[positions].to(dt)  # (B,) R, S, W
-        xs = xs.expand(B, R, S, W).reshape(B * R, S, W)
-        mask_s = mask.unsqueeze(1) if B == 1 else mask.unsqueeze(1).repeat(B, 1, 1, 1)  # B*R, 1, S, P+S
+        xp = (prefix.to(dt) + self.positional_embedding[:P].to(dt)).unsqueeze(0)  # 1, P, W
+        xs = (packed.to(dt) + self.positional_embedding[positions].to(dt)).unsqueeze(0)  # 1, T, W
         causal_p = torch.ones(P, P, dtype=torch.bool, device=xp.device).tril()
         for blk in self.transformer.resblocks:
-            xp, xs = _block_shared(blk, xp, xs, causal_p, mask_s)
-        # LayerNorm is per token: pool first, then normalise
-        pooled = self.ln_final(xs.reshape(B, R * S, W)[:, pool_index])  # B, C, W
+            xp, xs = _block_shared(blk, xp, xs, causal_p, mask)
+        pooled = self.ln_final(xs[0, pool_index])  # LayerNorm is per token: pool first, then normalise
         if self.text_projection is not None:
             pooled = self.text_projection(pooled) if isinstance(self.text_projection, nn.Linear) \
                 else pooled @ self.text_projection
-        pooled = pooled.float()
-        return pooled if per_image else pooled[0]
+        return pooled.float()
+
+    def forward_rows(self, prefix: torch.Tensor, packed: torch.Tensor, positions: torch.Tensor,
+                     mask: torch.Tensor, pool_index: torch.Tensor) -> torch.Tensor:
+        """Raw text features [B, C, D] of C prompts per image, each image's prompts sharing a prefix (CoCoOp:
+        the start token and the image-conditioned context), with the classes' suffixes packed in rows.
+
+        ``prefix`` [B, P, W]; ``packed`` [R, S, W] (the same for every image) or [B, R, S, W], the rows of
+        ``packed_suffix_rows`` with ``positions`` [R, S] (in each token's own prompt), ``mask`` [R, S, P+S]
+        and ``pool_index`` [C] (into the R * S slots). Each row runs as one sequence: its image's prefix
+        (causal), then its packed tokens; the prefix is computed once per row, a few tokens, rather than
+        once per class. Equal to ``forward`` on every image's padded prompts, with no work on padding.
+        """
+        B, P, W = prefix.shape
+        R, S = positions.shape
+        dt = self.dtype
+        xp = (prefix.to(dt) + self.positional_embedding[:P].to(dt)).unsqueeze(1).expand(B, R, P, W)
+        xs = (packed.to(dt) + self.positional_embedding[positions].to(dt)).expand(B, R, S, W)
+        x = torch.cat([xp, xs], dim=2).reshape(B * R, P + S, W)
+        top = torch.cat([torch.ones(P, P, dtype=torch.bool, device=x.device).tril(),
+                         torch.zeros(P, S, dtype=torch.bool, device=x.device)], dim=1)
+        full = torch.cat([top.expand(R, P, P + S), mask], dim=1)  # R, P+S, P+S
+        full = full.unsqueeze(1) if B == 1 else full.unsqueeze(1).repeat(B, 1, 1, 1)  # B*R, 1, L, L
+        for blk in self.transformer.resblocks:
+            x = _block_masked(blk, x, full)
+        # LayerNorm is per token: pool first, then normalise
+        pooled = self.ln_final(x[:, P:].reshape(B, R * S, W)[:, pool_index])  # B, C, W
+        if self.text_projection is not None:
+            pooled = self.text_projection(pooled) if isinstance(self.text_projection, nn.Linear) \
+                else pooled @ self.text_projection
+        return pooled.float()
 
 
 def _heads(x: torch.Tensor, h: int) -> torch.Tensor:
@@ -209,31 +225,37 @@ def _heads(x: torch.Tensor, h: int) -> torch.Tensor:
 
 def _block_shared(blk: ResidualAttentionBlock, xp: torch.Tensor, xs: torch.Tensor, mask_p: torch.Tensor,
                   mask_s: torch.Tensor):
-    """One pre-LN residual block on prefixes [Bp,P,W] and suffix rows [C,S,W], C a multiple of Bp (the rows
-    of prefix b are rows b*C/Bp .. (b+1)*C/Bp - 1)."""
+    """One pre-LN residual block on a shared prefix [1,P,W] and per-prompt suffixes [C,S,W]."""
     attn = blk.attn
     h = attn.num_heads
     C, S, W = xs.shape
-    Bp = xp.shape[0]
     qp, kp, vp = F.linear(blk.ln_1(xp), attn.in_proj_weight, attn.in_proj_bias).chunk(3, dim=-1)
     qs, ks, vs = F.linear(blk.ln_1(xs), attn.in_proj_weight, attn.in_proj_bias).chunk(3, dim=-1)
-    qp, kp, vp = _heads(qp, h), _heads(kp, h), _heads(vp, h)  # Bp, h, P, d
+    qp, kp, vp = _heads(qp, h), _heads(kp, h), _heads(vp, h)  # 1, h, P, d
     qs, ks, vs = _heads(qs, h), _heads(ks, h), _heads(vs, h)  # C, h, S, d
     ap = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask_p)
-
-    def rows(t):  # Bp, h, P, d -> C, h, P, d: each prefix for each of its rows
-        return t.expand(C, -1, -1, -1) if Bp == 1 else t.repeat_interleave(C // Bp, dim=0)
-
-    k_all = torch.cat([rows(kp), ks], dim=2)  # C, h, P+S, d
-    v_all = torch.cat([rows(vp), vs], dim=2)
+    k_all = torch.cat([kp.expand(C, -1, -1, -1), ks], dim=2)  # C, h, P+S, d
+    v_all = torch.cat([vp.expand(C, -1, -1, -1), vs], dim=2)
     as_ = F.scaled_dot_product_attention(qs, k_all, v_all, attn_mask=mask_s)
-    ap = ap.transpose(1, 2).reshape(Bp, -1, W)
+    ap = ap.transpose(1, 2).reshape(1, -1, W)
     as_ = as_.transpose(1, 2).reshape(C, S, W)
     xp = xp + blk.ls_1(attn.out_proj(ap))
     xs = xs + blk.ls_1(attn.out_proj(as_))
     xp = xp + blk.ls_2(blk.mlp(blk.ln_2(xp)))
     xs = xs + blk.ls_2(blk.mlp(blk.ln_2(xs)))
     return xp, xs
+
+
+def _block_masked(blk: ResidualAttentionBlock, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One pre-LN residual block of a standard open_clip tower on [N, L, W] with a boolean mask [N, 1, L, L]
+    (True = may attend), through ``scaled_dot_product_attention``."""
+    attn = blk.attn
+    N, L, W = x.shape
+    q, k, v = F.linear(blk.ln_1(x), attn.in_proj_weight, attn.in_proj_bias).chunk(3, dim=-1)
+    h = attn.num_heads
+    a = F.scaled_dot_product_attention(_heads(q, h), _heads(k, h), _heads(v, h), attn_mask=mask)
+    x = x + blk.ls_1(attn.out_proj(a.transpose(1, 2).reshape(N, L, W)))
+    return x + blk.ls_2(blk.mlp(blk.ln_2(x)))
 
 
 def pad_sequences(seqs: Sequence[Sequence[int]], length: int, pad_id: int = 0) -> torch.Tensor:

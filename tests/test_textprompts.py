@@ -403,9 +403,11 @@ def test_new_class_names_reuse_what_was_learned(backbones, method):
 
 def test_packed_rows_by_hand():
     tokens = [[9, 1, 7, 5], [9, 1, 8, 8, 5], [9, 1, 6, 5]]  # prefix of 2; suffixes of 2, 3 and 2 tokens
+    cls, *_ = packed_suffix_rows(tokens, 2, row_tokens=100)
+    assert cls.tolist() == [[0, 0, 1, 1, 1, 2, 2]]  # one row: packed_suffixes' packing, no padding
+    # rows of about 4: 7 tokens make 2 rows; 4 slots per row would need 3 (a suffix never straddles two rows),
+    # so the two rows are 5 long
     cls, pos, mask, pool = packed_suffix_rows(tokens, 2, row_tokens=4)
-    assert cls.tolist() == [[0, 0, -1, -1], [1, 1, 1, -1], [2, 2, -1, -1]]  # a suffix never straddles two rows
-    cls, pos, mask, pool = packed_suffix_rows(tokens, 2, row_tokens=5)
     assert cls.tolist() == [[0, 0, 1, 1, 1], [2, 2, -1, -1, -1]]
     assert pos.tolist() == [[2, 3, 2, 3, 4], [2, 3, 0, 0, 0]]
     assert pool.tolist() == [1, 4, 6]  # flat index of each prompt's last token
