@@ -7,6 +7,7 @@
 * ``distance_to_teacher``, ``loss_near_teacher``: KgCoOp's and TCP's penalty in any geometry, and their loss.
 * ``learned_for_classnames``: ``for_classnames`` of a method whose learned tensors do not depend on the
   class names (a shared context, a meta-network).
+* ``text_output_dim``: the width of the towers' joint embedding (the meta-networks' input).
 """
 from __future__ import annotations
 

@@ -18,11 +18,11 @@ the zero-shot prompts and the logits equal zero-shot's; with the authors' defaul
 
 Speed: the start token and the shifted context are the same for all classes of one image, so (with the
 class name at the end or in the middle, on a causal tower pooled at the end-of-text token) the classes'
-remaining tokens are packed end to end in rows of about ``ROW_TOKENS`` tokens, each row run as one sequence
-after its image's prefix (``text_mode="shared"``, the default where it applies: about 470 tokens per image for 100
-ImageNet classes instead of 7700; ``scripts/bench_cocoop.py`` times it against the authors' procedure). ``"truncate"`` runs
-every prompt cut to the longest, ``"faithful"`` every image's prompts at the full context length; all three
-give the same logits.
+remaining tokens are packed end to end in rows of about ``ROW_TOKENS`` tokens, each row run as one
+sequence after its image's prefix (``text_mode="shared"``, the default where it applies: about 470 tokens
+per image for 100 ImageNet classes instead of 7700; ``scripts/bench_cocoop.py`` times it against the
+authors' procedure). ``"truncate"`` runs every prompt cut to the longest, ``"faithful"`` every image's
+prompts at the full context length; all three give the same logits.
 """
 from __future__ import annotations
 
@@ -143,7 +143,8 @@ class CoCoOp(CoOp):
         n = self.ctx_pos.shape[1]
         src = ctx.unsqueeze(1).expand(B, C, n, W) if ctx.dim() == 3 else ctx
         index = self.ctx_pos[None, :, :, None].expand(B, C, n, W)
-        x = self.fixed_embeddings.unsqueeze(0).expand(B, C, L, W).scatter(2, index, src.to(self.fixed_embeddings.dtype))
+        fixed = self.fixed_embeddings.unsqueeze(0).expand(B, C, L, W)
+        x = fixed.scatter(2, index, src.to(fixed.dtype))  # B, C, L, W
         if self.text_mode == "truncate":
             return self.tower.forward(x.reshape(B * C, L, W), self.tokens.repeat(B, 1)).reshape(B, C, -1)
         # faithful: the authors' procedure, each image's prompts at the full context length
@@ -159,7 +160,7 @@ class CoCoOp(CoOp):
 
     def _images_per_pass(self) -> int:
         if self.text_mode == "shared":
-            per_image = self.shared_len + self._rows_pos.numel()
+            per_image = self._rows_pos.shape[0] * self.shared_len + self._rows_pos.numel()
         else:
             per_image = self.fixed_embeddings.shape[0] * (
                 self.tower.context_length if self.text_mode == "faithful" else self.fixed_embeddings.shape[1])

@@ -24,7 +24,8 @@ from prompt_parity import ALL_FIXTURES, TOLERANCE, checks, load, max_diff, tiny_
 def main() -> int:
     torch.set_num_threads(1)
     bb = tiny_backbone()
-    print(f"{'fixture':15s} {'checks':>6s} {'largest |diff|':>15s}  {'where':48s} {'|value| up to':>13s}  authors' code")
+    print(f"{'fixture':15s} {'checks':>6s} {'largest |diff|':>15s}  {'where':48s} {'|value| up to':>13s}  "
+          f"authors' code")
     worst_all = 0.0
     for name in ALL_FIXTURES:
         results = checks(bb, name)
