@@ -91,3 +91,54 @@ def packed_suffixes(tokens: Sequence[Sequence[int]], prefix: int) -> Tuple[torch
     earlier = pos_t[None, :] <= pos_t[:, None]
     mask = torch.cat([torch.ones(len(cls_idx), prefix, dtype=torch.bool), same & earlier], dim=1)  # T, P+T
     return cls_t, pos_t, mask, torch.tensor(pool, dtype=torch.long)
+
+
+def packed_suffix_rows(tokens: Sequence[Sequence[int]], prefix: int, row_tokens: int) -> Tuple[torch.Tensor, ...]:
+    """``packed_suffixes`` in rows of about ``row_tokens`` tokens (balanced, at least the longest suffix): every
+    prompt's suffix lies whole in one row, rows are filled in class order, the last slots of a row are padding.
+
+    One row holding all C suffixes costs attention quadratic in C (ImageNet's 1000 classes make a row of
+    about 5000 tokens); rows of a few hundred tokens keep the attention cost linear in C, with the prefix
+    attended by every row. Returns ``cls`` [R, S] (-1 at padding), ``pos`` [R, S] (0 at padding), ``mask``
+    [R, S, prefix + S] (a packed token sees the prefix and the earlier tokens of its own prompt; a padding
+    slot sees only itself, so that no row of the attention is empty) and ``pool`` [C] (each prompt's last
+    token, as an index into the R * S flattened slots). ``TextTower.forward_rows`` runs them.
+    """
+    lengths = [len(seq) - prefix for seq in tokens]
+    if min(lengths) < 1:
+        raise ValueError(f"every prompt needs at least one token after the {prefix}-token prefix")
+    total, longest = sum(lengths), max(lengths)
+    # As many rows as row_tokens asks for, balanced: the shortest row length that fills them greedily
+    # (at most total / R + the longest suffix, which always fits in R rows).
+    n_rows = max(1, -(-total // max(row_tokens, longest)))
+    S = max(-(-total // n_rows), longest)
+    while True:
+        rows: List[List[int]] = [[]]  # prompt indices per row
+        used = 0
+        for c, n in enumerate(lengths):
+            if used + n > S:
+                rows.append([])
+                used = 0
+            rows[-1].append(c)
+            used += n
+        if len(rows) <= n_rows:
+            break
+        S += 1
+    R = len(rows)
+    cls_t = torch.full((R, S), -1, dtype=torch.long)
+    pos_t = torch.zeros(R, S, dtype=torch.long)
+    pool = [0] * len(tokens)
+    for r, members in enumerate(rows):
+        j = 0
+        for c in members:
+            n = lengths[c]
+            cls_t[r, j : j + n] = c
+            pos_t[r, j : j + n] = torch.arange(prefix, prefix + n)
+            j += n
+            pool[c] = r * S + j - 1
+    real = cls_t >= 0
+    same = (cls_t[:, :, None] == cls_t[:, None, :]) & real[:, :, None]
+    earlier = pos_t[:, None, :] <= pos_t[:, :, None]
+    own = (same & earlier) | (torch.eye(S, dtype=torch.bool)[None] & ~real[:, :, None])
+    mask = torch.cat([real[:, :, None].expand(R, S, prefix), own], dim=2)  # R, S, P+S
+    return cls_t, pos_t, mask, torch.tensor(pool, dtype=torch.long)

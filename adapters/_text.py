@@ -23,7 +23,7 @@ the tower runs at the full context length.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -119,11 +119,14 @@ class TextTower:
         """Token embeddings [N, L, W] for ids [N, L]."""
         return self.token_embedding(tokens)
 
-    def forward(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens: torch.Tensor,
+                before_block: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
         """Raw text features [N, D] from prompt embeddings ``x`` [N, L, W] and their ids ``tokens`` [N, L].
 
         ``tokens`` decide the pooled position (``argmax``/``eos``) and padding;
         L may be shorter than the context length only where ``can_truncate``.
+        ``before_block(i, h) -> h``, when given, may change the hidden states [N, L, W] entering block i
+        (TCP puts its class-aware tokens in at one block).
         """
         N, L, W = x.shape
         if L > self.context_length:
@@ -136,7 +139,7 @@ class TextTower:
             heads = self.transformer.resblocks[0].attn.num_heads
             pad = pad.expand(N, L, L).repeat_interleave(heads, 0)
             mask = pad if mask is None else mask.unsqueeze(0) + pad
-        x = self.transformer(x, attn_mask=mask)
+        x = self.transformer(x, attn_mask=mask) if before_block is None else self._blocks(x, mask, before_block)
         x = self.ln_final(x)
         pooled = text_global_pool(x, tokens, self.pool_type, eos_token_id=self.eos_id)
         if self.text_projection is not None:
@@ -144,6 +147,13 @@ class TextTower:
                 else pooled @ self.text_projection
         return pooled.float()
 
+    def _blocks(self, x: torch.Tensor, mask: Optional[torch.Tensor], before_block) -> torch.Tensor:
+        """The transformer's blocks one by one on [N, L, W], with ``before_block`` at each block's input."""
+        batch_first = getattr(self.transformer, "batch_first", True)
+        for i, blk in enumerate(self.transformer.resblocks):
+            x = before_block(i, x)
+            x = blk(x, attn_mask=mask) if batch_first else blk(x.transpose(0, 1), attn_mask=mask).transpose(0, 1)
+        return x
 
     # -- shared prefix ----------------------------------------------------------
     @property
@@ -177,6 +187,36 @@ class TextTower:
                 else pooled @ self.text_projection
         return pooled.float()
 
+    def forward_rows(self, prefix: torch.Tensor, packed: torch.Tensor, positions: torch.Tensor,
+                     mask: torch.Tensor, pool_index: torch.Tensor) -> torch.Tensor:
+        """Raw text features [B, C, D] of C prompts per image, each image's prompts sharing a prefix (CoCoOp:
+        the start token and the image-conditioned context), with the classes' suffixes packed in rows.
+
+        ``prefix`` [B, P, W]; ``packed`` [R, S, W] (the same for every image) or [B, R, S, W], the rows of
+        ``packed_suffix_rows`` with ``positions`` [R, S] (in each token's own prompt), ``mask`` [R, S, P+S]
+        and ``pool_index`` [C] (into the R * S slots). Each row runs as one sequence: its image's prefix
+        (causal), then its packed tokens; the prefix is computed once per row, a few tokens, rather than
+        once per class. Equal to ``forward`` on every image's padded prompts, with no work on padding.
+        """
+        B, P, W = prefix.shape
+        R, S = positions.shape
+        dt = self.dtype
+        xp = (prefix.to(dt) + self.positional_embedding[:P].to(dt)).unsqueeze(1).expand(B, R, P, W)
+        xs = (packed.to(dt) + self.positional_embedding[positions].to(dt)).expand(B, R, S, W)
+        x = torch.cat([xp, xs], dim=2).reshape(B * R, P + S, W)
+        top = torch.cat([torch.ones(P, P, dtype=torch.bool, device=x.device).tril(),
+                         torch.zeros(P, S, dtype=torch.bool, device=x.device)], dim=1)
+        full = torch.cat([top.expand(R, P, P + S), mask], dim=1)  # R, P+S, P+S
+        full = full.unsqueeze(1) if B == 1 else full.unsqueeze(1).repeat(B, 1, 1, 1)  # B*R, 1, L, L
+        for blk in self.transformer.resblocks:
+            x = _block_masked(blk, x, full)
+        # LayerNorm is per token: pool first, then normalise
+        pooled = self.ln_final(x[:, P:].reshape(B, R * S, W)[:, pool_index])  # B, C, W
+        if self.text_projection is not None:
+            pooled = self.text_projection(pooled) if isinstance(self.text_projection, nn.Linear) \
+                else pooled @ self.text_projection
+        return pooled.float()
+
 
 def _heads(x: torch.Tensor, h: int) -> torch.Tensor:
     B, L, W = x.shape
@@ -204,6 +244,18 @@ def _block_shared(blk: ResidualAttentionBlock, xp: torch.Tensor, xs: torch.Tenso
     xp = xp + blk.ls_2(blk.mlp(blk.ln_2(xp)))
     xs = xs + blk.ls_2(blk.mlp(blk.ln_2(xs)))
     return xp, xs
+
+
+def _block_masked(blk: ResidualAttentionBlock, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One pre-LN residual block of a standard open_clip tower on [N, L, W] with a boolean mask [N, 1, L, L]
+    (True = may attend), through ``scaled_dot_product_attention``."""
+    attn = blk.attn
+    N, L, W = x.shape
+    q, k, v = F.linear(blk.ln_1(x), attn.in_proj_weight, attn.in_proj_bias).chunk(3, dim=-1)
+    h = attn.num_heads
+    a = F.scaled_dot_product_attention(_heads(q, h), _heads(k, h), _heads(v, h), attn_mask=mask)
+    x = x + blk.ls_1(attn.out_proj(a.transpose(1, 2).reshape(N, L, W)))
+    return x + blk.ls_2(blk.mlp(blk.ln_2(x)))
 
 
 def pad_sequences(seqs: Sequence[Sequence[int]], length: int, pad_id: int = 0) -> torch.Tensor:

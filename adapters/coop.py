@@ -90,7 +90,7 @@ class CoOp(Adapter):
 
         # Token ids per class, with a placeholder id where the context goes: its embedding is replaced, but
         # the pooling must not find it (the start token; padding for a tokenizer without one).
-        dot = tower.encode_words(".")
+        dot = tower.encode_words(self.prompt_suffix())  # after the class name
         ends = tower.prompt_ends()  # the tokenizer's start (maybe none) and end tokens
         placeholder = init_ids if init_ids is not None else [tower.placeholder_id] * n_ctx  # embedding replaced
         names = []
@@ -103,6 +103,7 @@ class CoOp(Adapter):
         layout = assemble_prompts(names, placeholder, cfg.class_token_position, start=ends.start, end=ends.end,
                                   suffix=dot)
         seqs, ctx_pos = layout.tokens, layout.ctx_positions
+        self.prompt_lengths = [len(s) for s in seqs]  # tokens of each class prompt, start and end included
         seen = {}
         for name, seq in zip(self.classnames, seqs):
             if tuple(seq) in seen:
@@ -154,6 +155,10 @@ class CoOp(Adapter):
         self.register_buffer("_pack_pool", pool.to(device), persistent=False)
 
     # -- prompts ----------------------------------------------------------
+    def prompt_suffix(self) -> str:
+        """The words after the class name: CoOp's full stop (TCP keeps the rest of the dataset's template)."""
+        return "."
+
     def equivalent_template(self) -> Optional[str]:
         """The zero-shot template this context reproduces at initialisation (word init only).
 
@@ -164,16 +169,17 @@ class CoOp(Adapter):
             return None
         words = self.cfg.ctx_init.strip()
         pos = self.cfg.class_token_position
+        suffix = self.prompt_suffix()
         if pos == "end":
-            template = f"{words} {{}}."
+            template = f"{words} {{}}{suffix}"
         elif pos == "front":
-            template = f"{{}} {words}."
+            template = f"{{}} {words}{suffix}"
         else:
             ids = self.tower.encode_words(words)
             half = len(ids) // 2
             dec = self.backbone.tokenizer.decode
             first, second = dec(ids[:half]).strip(), dec(ids[half:]).strip()
-            template = " ".join(p for p in (first, "{}", second) if p) + "."
+            template = " ".join(p for p in (first, "{}", second) if p) + suffix
         # The template is equivalent only if it tokenizes to exactly these prompts.
         ends = self.tower.prompt_ends()
         for name, row in zip(self.classnames, self.tokens.tolist()):

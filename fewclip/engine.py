@@ -51,6 +51,9 @@ from .rng import forked_global_rng
 log = logging.getLogger(__name__)
 
 COOP_EPOCHS = {1: 50, 2: 100, 4: 100, 8: 200, 16: 200}
+# "adam": weight decay as an L2 term added to the gradient (Dassl's Adam, which TCP trains with);
+# "adamw": decoupled weight decay.
+OPTIMIZERS = ("sgd", "adam", "adamw")
 
 
 @dataclass
@@ -61,7 +64,7 @@ class TrainConfig:
     lr: float = 0.002
     momentum: float = 0.9
     weight_decay: float = 5e-4
-    # AdamW's epsilon (train.optimizer=adamw).
+    # Adam's / AdamW's epsilon (train.optimizer=adam or adamw).
     eps: float = 1e-8
     # null = CoOp's schedule by shots (50/100/100/200/200 for 1/2/4/8/16).
     epochs: Optional[int] = None
@@ -84,8 +87,8 @@ class TrainConfig:
     amp: str = "bf16"
 
     def __post_init__(self) -> None:
-        if self.optimizer not in ("sgd", "adamw"):
-            raise ValueError(f"train.optimizer must be 'sgd' or 'adamw', got {self.optimizer!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"train.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         if self.select not in ("last", "val"):
             raise ValueError(f"train.select must be 'last' or 'val', got {self.select!r}")
         if self.amp not in ("bf16", "fp16", "none"):
@@ -138,10 +141,13 @@ def cosine_lr(step: int, total: int, warmup: int, base: float, warmup_lr: float)
 
 
 def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """The optimiser of the ``train`` section: SGD (lr, momentum, weight decay) or AdamW (lr, weight decay, eps)."""
+    """The optimiser of the ``train`` section: SGD (lr, momentum, weight decay), Adam (lr, L2 weight decay, eps)
+    or AdamW (lr, decoupled weight decay, eps)."""
     params = list(params)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.eps)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.eps)
 
 
@@ -393,6 +399,10 @@ def train_loop(adapter, source: FeatureSource, cfg: TrainConfig, shots: int, gen
     adapter.eval()
     info = {"epochs": epochs, "steps": step, "final_loss": history[-1]["loss"] if history else None,
             "loss_curve": [round(h["loss"], 5) for h in history]}
+    # The adapter's other loss terms (KgCoOp's penalty, ProGrad's distillation loss), per epoch.
+    terms = [k for k in (history[0] if history else {}) if k not in ("epoch", "loss", "val_top1")]
+    if terms:
+        info["loss_terms"] = {k: [round(h[k], 5) for h in history if k in h] for k in terms}
     if cfg.select == "val" and best[1] is not None:
         adapter.load_adapter_state_dict(best[1])
         info.update({"selected_epoch": best[2], "selected_val_top1": best[0]})
