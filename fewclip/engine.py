@@ -51,6 +51,9 @@ from .rng import forked_global_rng
 log = logging.getLogger(__name__)
 
 COOP_EPOCHS = {1: 50, 2: 100, 4: 100, 8: 200, 16: 200}
+# sgd: momentum and weight decay; adam: L2 weight decay added to the gradient (torch.optim.Adam, as Dassl's
+# "adam"); adamw: decoupled weight decay.
+OPTIMIZERS = ("sgd", "adam", "adamw")
 
 
 @dataclass
@@ -61,7 +64,7 @@ class TrainConfig:
     lr: float = 0.002
     momentum: float = 0.9
     weight_decay: float = 5e-4
-    # AdamW's epsilon (train.optimizer=adamw).
+    # Adam's and AdamW's epsilon (train.optimizer=adam|adamw).
     eps: float = 1e-8
     # null = CoOp's schedule by shots (50/100/100/200/200 for 1/2/4/8/16).
     epochs: Optional[int] = None
@@ -84,8 +87,8 @@ class TrainConfig:
     amp: str = "bf16"
 
     def __post_init__(self) -> None:
-        if self.optimizer not in ("sgd", "adamw"):
-            raise ValueError(f"train.optimizer must be 'sgd' or 'adamw', got {self.optimizer!r}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.select not in ("last", "val"):
             raise ValueError(f"train.select must be 'last' or 'val', got {self.select!r}")
         if self.amp not in ("bf16", "fp16", "none"):
@@ -138,10 +141,13 @@ def cosine_lr(step: int, total: int, warmup: int, base: float, warmup_lr: float)
 
 
 def make_optimizer(params, cfg: TrainConfig) -> torch.optim.Optimizer:
-    """The optimiser of the ``train`` section: SGD (lr, momentum, weight decay) or AdamW (lr, weight decay, eps)."""
+    """The optimiser of the ``train`` section: SGD (lr, momentum, weight decay), Adam (lr, L2 weight decay, eps)
+    or AdamW (lr, decoupled weight decay, eps)."""
     params = list(params)
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.eps)
     return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.eps)
 
 
