@@ -54,7 +54,7 @@ def test_epochs_follow_coop():
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(optimizer="adam"), "train.optimizer"),
+    (dict(optimizer="rmsprop"), "train.optimizer"),
     (dict(select="best"), "train.select"),
     (dict(amp="fp8"), "train.amp"),
     (dict(augment_views=-1), "train.augment_views"),
