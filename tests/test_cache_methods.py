@@ -94,7 +94,8 @@ def test_cache_affinity_is_exp_of_minus_beta_times_the_geometrys_gap(geometry):
     # A point's similarity to itself: 1 for the cosine, 0 for minus a distance or an angle, up to the clamps that
     # keep gradients finite (arccos is kept 1e-7 off 1, in float32 1.2e-7; the Lorentz distance's acosh argument
     # 1e-8 above 1).
-    self_gap = {"elliptic": math.acos(float(torch.tensor(1 - 1e-7))), "hyperbolic": math.acosh(1 + 1e-8) / math.sqrt(0.7),
+    self_gap = {"elliptic": math.acos(float(torch.tensor(1 - 1e-7))),
+                "hyperbolic": math.acosh(1 + 1e-8) / math.sqrt(0.7),
                 "hyperbolic_sq": (math.acosh(1 + 1e-8) / math.sqrt(1.3)) ** 2}.get(geometry, 0.0)
     assert s_max == pytest.approx({"clip": 1.0, "sigmoid": 1.0}.get(geometry, 0.0) - self_gap, abs=1e-6)
     gap = {  # s_max - s(x, k), written out for each geometry
