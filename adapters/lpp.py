@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -171,9 +171,11 @@ class LPP(Adapter):
         return self.train_blocks(f, s, y, vf, vs, vy, W, b, alpha)
 
     def train_blocks(self, f: Tensor, s: Tensor, y: Tensor, vf: Tensor, vs: Tensor, vy: Tensor, W: Tensor,
-                     b: Tensor, alpha: Tensor) -> Dict:
+                     b: Tensor, alpha: Tensor, on_epoch: Optional[Callable[[int, Tensor, Tensor, Tensor], None]] = None
+                     ) -> Dict:
         """LP++'s epochs from (W, b, alpha) on features f [N, D], similarities s [N, C], labels y [N], with
-        validation (vf, vs, vy); sets the adapter to the best validation epoch and returns what it did."""
+        validation (vf, vs, vy); sets the adapter to the best validation epoch and returns what it did.
+        ``on_epoch(epoch, W, b, alpha)``, if given, sees the parameters after every epoch (for diagnostics)."""
         cfg: LPPConfig = self.cfg
         lr_w, lr_alpha = lpp_step_sizes(f, s)
         alpha_init = float(alpha[0])
@@ -193,6 +195,8 @@ class LPP(Adapter):
                 if (epoch + 1) % cfg.alpha_every == 0:
                     with torch.no_grad():
                         alpha -= lr_alpha * alpha.grad
+                if on_epoch is not None:
+                    on_epoch(epoch, W.detach(), b.detach(), alpha.detach())
                 if has_val:
                     with torch.no_grad():
                         acc = 100.0 * float(((vf @ W.T + b + alpha * vs).argmax(-1) == vy).double().mean())
