@@ -6,3 +6,4 @@ this file imports every adapter module explicitly.
 from .base import (ADAPTERS, EXPORT_FORMATS, Adapter, AdapterConfig, AdapterError, ExportFormat, adapter_info,
                    build_adapter, export_format, register_adapter)
 from . import cocoop, coop, kgcoop, linear_probe, lora, prograd, tcp, zeroshot  # noqa: F401  (registration)
+from . import clap, clip_adapter, lpp, taskres, tip_adapter, tip_adapter_f  # noqa: F401  (registration)

@@ -123,6 +123,7 @@ from torch import Tensor, nn
 from fewclip.features import progress, text_prototypes
 from fewclip.geometry import Geometry
 
+from ._state_export import STATE
 from .base import Adapter, AdapterConfig, register_adapter
 
 log = logging.getLogger(__name__)
@@ -459,5 +460,5 @@ class ZSProbe(Adapter):
         }
 
 
-register_adapter("linear_probe", LinearProbeConfig, LinearProbe)
-register_adapter("zs_probe", ZSProbeConfig, ZSProbe)
+register_adapter("linear_probe", LinearProbeConfig, LinearProbe, export=STATE)
+register_adapter("zs_probe", ZSProbeConfig, ZSProbe, export=STATE)

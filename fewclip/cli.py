@@ -26,7 +26,8 @@ commands:
   report       seed-averaged tables and the accuracy-vs-shots plot: fewclip report runs/demo
   adapters     list the registered adapters (few-shot methods)
   export       a run in its method's export format: fewclip export runs/coop -o prompts.safetensors [nearest=3]
-               (CoOp: one prompt file; LoRA: a peft folder, fewclip export runs/lora [merge=true])
+               (CoOp: one prompt file; LoRA: a peft folder, fewclip export runs/lora [merge=true];
+               the other methods: one adapter file, fewclip export runs/tip -o tip.safetensors)
   predict      classify images with an export: fewclip predict prompts=prompts.safetensors a.jpg
   import       an authors' checkpoint as a backbone card folder: fewclip import meru meru_vit_s.pth
                arch=vit_small_mocov3_patch16_224 out=cards/meru-s, then backbone=cards/meru-s

@@ -51,8 +51,8 @@ from .rng import forked_global_rng
 log = logging.getLogger(__name__)
 
 COOP_EPOCHS = {1: 50, 2: 100, 4: 100, 8: 200, 16: 200}
-# "adam": weight decay as an L2 term added to the gradient (Dassl's Adam, which TCP trains with);
-# "adamw": decoupled weight decay.
+# sgd: momentum and weight decay; adam: L2 weight decay added to the gradient (torch.optim.Adam, as Dassl's
+# "adam"); adamw: decoupled weight decay.
 OPTIMIZERS = ("sgd", "adam", "adamw")
 
 
@@ -64,7 +64,7 @@ class TrainConfig:
     lr: float = 0.002
     momentum: float = 0.9
     weight_decay: float = 5e-4
-    # Adam's / AdamW's epsilon (train.optimizer=adam or adamw).
+    # Adam's and AdamW's epsilon (train.optimizer=adam|adamw).
     eps: float = 1e-8
     # null = CoOp's schedule by shots (50/100/100/200/200 for 1/2/4/8/16).
     epochs: Optional[int] = None
@@ -88,7 +88,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"train.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+            raise ValueError(f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
         if self.select not in ("last", "val"):
             raise ValueError(f"train.select must be 'last' or 'val', got {self.select!r}")
         if self.amp not in ("bf16", "fp16", "none"):

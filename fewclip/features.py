@@ -206,8 +206,8 @@ class FeatureCache:
 
 
 @torch.no_grad()
-def text_prototypes(backbone: Backbone, classnames: Sequence[str], templates: Sequence[str]) -> torch.Tensor:
-    """Geometry-space class prototypes [C, D]: every template per class, averaged by the geometry."""
+def class_text_features(backbone: Backbone, classnames: Sequence[str], templates: Sequence[str]) -> torch.Tensor:
+    """Raw text-tower outputs [C, T, D] of every template filled with every class name."""
     if not templates:
         raise ValueError("at least one prompt template is needed")
     bad = [t for t in templates if t.count("{}") != 1]
@@ -215,9 +215,19 @@ def text_prototypes(backbone: Backbone, classnames: Sequence[str], templates: Se
         raise ValueError(f"each prompt template needs exactly one '{{}}' for the class name; bad: {bad}")
     texts = [t.format(c) for c in classnames for t in templates]
     raw = backbone.encode_text(texts)  # C*T, D
-    emb = backbone.geometry.embed_text(raw)
-    C, T = len(classnames), len(templates)
-    return backbone.geometry.prototype(emb.reshape(C, T, -1))
+    return raw.reshape(len(classnames), len(templates), -1)
+
+
+@torch.no_grad()
+def text_prototypes(backbone: Backbone, classnames: Sequence[str], templates: Sequence[str]) -> torch.Tensor:
+    """Geometry-space class prototypes [C, D]: every template per class, averaged by the geometry."""
+    return prototypes_of(backbone.geometry, class_text_features(backbone, classnames, templates))
+
+
+def prototypes_of(geometry, raw: torch.Tensor) -> torch.Tensor:
+    """Class prototypes [C, D] from raw text-tower outputs [C, T, D]: embedded, then averaged by the geometry."""
+    C, T, D = raw.shape
+    return geometry.prototype(geometry.embed_text(raw.reshape(C * T, D)).reshape(C, T, -1))
 
 
 def accuracy(logits: torch.Tensor, labels: torch.Tensor, classnames: Sequence[str]) -> dict:

@@ -275,15 +275,15 @@ def test_unreadable_image_is_named(prompts, tmp_path, capsys):
     assert "cannot read image" in err and "not_an_image.png" in err
 
 
-def test_non_coop_run_is_refused(tmp_path, capsys):
+def test_a_probe_run_exports_in_the_generic_adapter_format_not_as_prompts(tmp_path, capsys):
     run = tmp_path / "probe"
     assert main(["train", "adapter=zs_probe", "data=toy-shapes", "shots=1", "seed=1", "adapter.epochs=1",
                  "data.max_test=8", "train.augment_views=1", "backbone.device=cpu", f"out={run}"]) == 0
-    with pytest.raises(ExportError, match="adapter 'zs_probe'.*adapter=coop"):
-        export_run(run)
-    assert main(["export", str(run)]) == 2
-    assert "zs_probe" in capsys.readouterr().err
-    assert not (run / "prompts.safetensors").exists()
+    with pytest.raises(ExportError, match="nearest do not apply to zs_probe runs; their export takes no options"):
+        export_run(run, nearest="3")
+    assert main(["export", str(run)]) == 0
+    assert "zs_probe export" in capsys.readouterr().out
+    assert (run / "adapter_export.safetensors").is_file() and not (run / "prompts.safetensors").exists()
 
 
 def test_import_fewclip_stays_light():
