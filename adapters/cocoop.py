@@ -35,6 +35,7 @@ import torch.nn as nn
 
 from ._family import default_linear, learned_for_classnames, text_output_dim
 from ._prompts import packed_suffix_rows
+from ._state_export import STATE
 from .base import AdapterError, register_adapter
 from .coop import CoOp, CoOpConfig
 
@@ -183,4 +184,4 @@ class CoCoOp(CoOp):
         return learned_for_classnames(self, classnames, templates)
 
 
-register_adapter("cocoop", CoCoOpConfig, CoCoOp)
+register_adapter("cocoop", CoCoOpConfig, CoCoOp, export=STATE)

@@ -24,6 +24,7 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from ._family import learned_for_classnames, loss_near_teacher, zero_shot_points
+from ._state_export import STATE
 from .base import register_adapter
 from .coop import CoOp, CoOpConfig
 
@@ -60,4 +61,4 @@ class KgCoOp(CoOp):
         return learned_for_classnames(self, classnames, templates)
 
 
-register_adapter("kgcoop", KgCoOpConfig, KgCoOp)
+register_adapter("kgcoop", KgCoOpConfig, KgCoOp, export=STATE)

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ._family import learned_for_classnames, zero_shot_points
+from ._state_export import STATE
 from ._text import TextTower
 from .base import AdapterError, register_adapter
 from .coop import CoOp, CoOpConfig
@@ -115,4 +116,4 @@ class ProGrad(CoOp):
         return learned_for_classnames(self, classnames, templates)
 
 
-register_adapter("prograd", ProGradConfig, ProGrad)
+register_adapter("prograd", ProGradConfig, ProGrad, export=STATE)

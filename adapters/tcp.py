@@ -35,6 +35,7 @@ import torch.nn as nn
 from open_clip.transformer import QuickGELU
 
 from ._family import default_linear, learned_for_classnames, loss_near_teacher, text_output_dim, zero_shot_points
+from ._state_export import STATE
 from .base import AdapterError, register_adapter
 from .coop import CoOp, CoOpConfig
 
@@ -145,4 +146,4 @@ class TCP(CoOp):
         return learned_for_classnames(self, classnames, templates, scores_with_templates=True)
 
 
-register_adapter("tcp", TCPConfig, TCP)
+register_adapter("tcp", TCPConfig, TCP, export=STATE)

@@ -172,6 +172,12 @@ QUICK = {  # variants of a small sweep: each method with quick settings
     "linear_probe": ["adapter=linear_probe", "adapter.grid_points=3", "adapter.refine_steps=0"],
     "zs_probe": ["adapter=zs_probe", "adapter.epochs=5"],
 }
+TEXT = {  # the text-prompt family, one epoch each: they export through the same generic format
+    "cocoop": ["adapter=cocoop", "train.epochs=1"],
+    "kgcoop": ["adapter=kgcoop", "train.epochs=1"],
+    "prograd": ["adapter=prograd", "train.epochs=1"],
+    "tcp": ["adapter=tcp", "train.epochs=1"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -179,9 +185,9 @@ def sweep_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("cache_sweep")
     spec = out / "sweep.yaml"
     spec.write_text(json.dumps({"sweep": {
-        "backbones": ["toy-meru"], "datasets": ["toy-shapes"], "methods": ["zeroshot", *QUICK], "shots": [1],
+        "backbones": ["toy-meru"], "datasets": ["toy-shapes"], "methods": ["zeroshot", *QUICK, *TEXT], "shots": [1],
         "seeds": [1], "args": ["data.max_test=16", "data.templates=single", "backbone.device=cpu"],
-        "variants": QUICK}}))
+        "variants": {**QUICK, **TEXT}}}))
     assert main(["sweep", str(spec), f"out={out / 'runs'}", "report=false"]) == 0
     return out / "runs"
 
@@ -204,8 +210,8 @@ def test_every_cache_method_runs_in_a_sweep_and_reports_its_cost(sweep_dir, caps
     assert "Train time" in text  # the cost table
 
 
-@pytest.mark.parametrize("name", sorted(QUICK))
-def test_every_cache_method_exports_and_predicts_what_it_scored(name, sweep_dir, shapes, tmp_path):
+@pytest.mark.parametrize("name", sorted(QUICK) + sorted(TEXT))
+def test_every_cache_and_text_prompt_method_exports_and_predicts_what_it_scored(name, sweep_dir, shapes, tmp_path):
     run = sweep_dir / "toy-meru" / "toy-shapes" / name / "1shot" / "seed1"
     assert adapter_info(name).export is STATE
     done = export_run(run, tmp_path / f"{name}.safetensors")
