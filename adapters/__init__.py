@@ -6,3 +6,4 @@ this file imports every adapter module explicitly.
 from .base import (ADAPTERS, EXPORT_FORMATS, Adapter, AdapterConfig, AdapterError, ExportFormat, adapter_info,
                    build_adapter, export_format, register_adapter)
 from . import coop, linear_probe, lora, zeroshot  # noqa: F401  (registration)
+from . import ivlp, maple, promptsrc  # noqa: F401  (registration)
