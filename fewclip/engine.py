@@ -240,6 +240,9 @@ class FreshImages(FeatureSource):
             self._frozen = (epoch, self.run.frozen_train(view).x)
         return self._frozen[1][idx]
 
+    def validation(self) -> Features:
+        return self.run.validation()
+
 
 @dataclass
 class FitData:

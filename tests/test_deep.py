@@ -432,12 +432,15 @@ def test_engine_gives_promptsrc_the_frozen_features_of_the_same_view(shapes, tmp
 def test_train_command_runs_each_method(method, tmp_path):
     from fewclip.runs import load_train_config, run_train
 
+    select = "val" if method == "maple" else "last"  # validation through the prompted tower, every epoch
     cfg = load_train_config([f"adapter={method}", "data=toy-colours", "shots=1", "seed=1", "train.epochs=2",
-                             "data.max_test=40", f"out={tmp_path}"])
+                             "data.max_test=40", f"train.select={select}", f"out={tmp_path}"])
     assert cfg.train.batch_size == 4 and cfg.train.lr == {"maple": 0.0035}.get(method, 0.0025)
     m = run_train(cfg, tmp_path)
     assert m["epochs"] == 2 and len(m["loss_curve"]) == 2 and 0 <= m["top1"] <= 100
+    assert ("selected_epoch" in m) == (select == "val")
     # every training step encodes its 4 images through the prompted tower (and PromptSRC's frozen view
-    # of all 8 images per epoch comes from the cache); the 40 test images go through the prompted tower
-    per_epoch = 8 + (8 if method == "promptsrc" else 0)
+    # of all 8 images per epoch comes from the cache); the 40 test images go through the prompted tower,
+    # and with select=val the 8 validation images (1 per class) after every epoch
+    per_epoch = 8 + (8 if method == "promptsrc" else 0) + (8 if select == "val" else 0)
     assert m["images_encoded"] == 2 * per_epoch + 40
