@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from open_clip.transformer import ResidualAttentionBlock, text_global_pool
 
+from ._prompts import PromptLayout, assemble_prompts
 from .base import AdapterError
 
 
@@ -155,6 +156,33 @@ class TextTower:
             x = blk(x, attn_mask=mask) if batch_first else blk(x.transpose(0, 1), attn_mask=mask).transpose(0, 1)
         return x
 
+    # -- pieces of ``forward``, for towers run block by block (deep prompts, adapters/_deep.py) ----------
+    def attention_mask(self, tokens: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
+        """The attention mask ``forward`` gives the transformer for ids ``tokens`` [N, L]: the causal mask
+        cut to L (or none), plus the padding mask [N*heads, L, L] where the tower has one."""
+        N, L = tokens.shape
+        mask = self.attn_mask[:L, :L].to(dtype) if self.attn_mask is not None else None
+        if self.use_pad_mask:
+            pad = torch.zeros(N, 1, L, dtype=dtype, device=tokens.device)
+            pad.masked_fill_((tokens == self.mask_pad_id)[:, None, :], float("-inf"))
+            heads = self.transformer.resblocks[0].attn.num_heads
+            pad = pad.expand(N, L, L).repeat_interleave(heads, 0)
+            mask = pad if mask is None else mask.unsqueeze(0) + pad
+        return mask
+
+    def pool(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The pooled rows [N, W] of the last block's output ``x`` [N, L, W] (``forward``'s pooling)."""
+        return text_global_pool(x, tokens, self.pool_type, eos_token_id=self.eos_id)
+
+    def head(self, pooled: torch.Tensor) -> torch.Tensor:
+        """Final LayerNorm and projection of pooled rows [N, W] -> raw features [N, D] in float32 (LayerNorm
+        acts per token, so normalising after pooling is ``forward``'s normalising before it)."""
+        pooled = self.ln_final(pooled)
+        if self.text_projection is not None:
+            pooled = self.text_projection(pooled) if isinstance(self.text_projection, nn.Linear) \
+                else pooled @ self.text_projection
+        return pooled.float()
+
     # -- shared prefix ----------------------------------------------------------
     @property
     def can_share_prefix(self) -> bool:
@@ -256,6 +284,38 @@ def _block_masked(blk: ResidualAttentionBlock, x: torch.Tensor, mask: torch.Tens
     a = F.scaled_dot_product_attention(_heads(q, h), _heads(k, h), _heads(v, h), attn_mask=mask)
     x = x + blk.ls_1(attn.out_proj(a.transpose(1, 2).reshape(N, L, W)))
     return x + blk.ls_2(blk.mlp(blk.ln_2(x)))
+
+
+def class_prompts(tower: TextTower, classnames: Sequence[str], ctx_ids: Sequence[int], position: str,
+                  backbone_name: str, suffix: str = ".") -> PromptLayout:
+    """Each class's prompt ``[start] ctx name suffix [end]`` (``assemble_prompts`` at ``position``) as the
+    tower's tokenizer gives it, with the checks every prompt method needs, each a one-line error naming
+    the fix: every class name gives tokens, no two classes give the same prompt, the longest prompt fits
+    the tower's context."""
+    ends = tower.prompt_ends()
+    names = []
+    for name in classnames:
+        names.append(tower.encode_words(name))
+        if not names[-1]:
+            raise AdapterError(f"class name {name!r} gives no tokens with the tokenizer of backbone "
+                               f"{backbone_name!r} (no word it can encode); rename the class with words, e.g. in "
+                               f"the dataset's folder names or split file")
+    layout = assemble_prompts(names, ctx_ids, position, start=ends.start, end=ends.end,
+                              suffix=tower.encode_words(suffix))
+    seen = {}
+    for name, seq in zip(classnames, layout.tokens):
+        if tuple(seq) in seen:
+            raise AdapterError(f"class names {seen[tuple(seq)]!r} and {name!r} give the same tokens with the "
+                               f"tokenizer of backbone {backbone_name!r} (e.g. unknown words all become its "
+                               f"<unk> token), so the text tower cannot tell them apart; rename one of them")
+        seen[tuple(seq)] = name
+    longest = max(len(s) for s in layout.tokens)
+    if longest > tower.context_length:
+        worst = classnames[max(range(len(classnames)), key=lambda i: len(layout.tokens[i]))]
+        raise AdapterError(f"the prompt for class {worst!r} has {longest} tokens, more than the text tower's "
+                           f"context length {tower.context_length}; use fewer context tokens (adapter.n_ctx) "
+                           f"or a shorter class name")
+    return layout
 
 
 def pad_sequences(seqs: Sequence[Sequence[int]], length: int, pad_id: int = 0) -> torch.Tensor:

@@ -70,6 +70,10 @@ class Adapter(nn.Module):
     # True when the image tower itself is adapted: the engine then encodes images through
     # ``encode_images(pixels)`` (with gradients in training) instead of using cached features.
     trains_image_tower: bool = False
+    # True when ``training_loss`` also takes ``frozen=``: the frozen image tower's features [B, D] of the same
+    # pixels as the batch (a regulariser towards the frozen model, PromptSRC). The engine takes them from the
+    # run's feature cache, computed once per image and view.
+    wants_frozen_features: bool = False
     # Overrides of the run's ``train`` section defaults for this adapter (e.g. its own optimiser).
     train_defaults: Dict[str, object] = {}
 
@@ -91,7 +95,8 @@ class Adapter(nn.Module):
     def training_loss(self, features: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Tensor]:
         """Loss terms of one training batch (raw image features [B, D], labels [B]), for the engine's loop.
         ``"loss"`` is what is minimised; other entries (e.g. a regulariser's value) are logged per epoch.
-        Default: cross-entropy of ``forward``. Called under the run's autocast."""
+        Default: cross-entropy of ``forward``. Called under the run's autocast; an adapter with
+        ``wants_frozen_features`` gets ``frozen=`` too."""
         return {"loss": F.cross_entropy(self(features).float(), labels)}
 
     def backward(self, terms: Dict[str, torch.Tensor]) -> None:

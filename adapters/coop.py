@@ -32,8 +32,8 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ._prompts import POSITIONS, assemble_prompts, packed_suffixes, shared_prefix_length
-from ._text import TextTower, pad_sequences
+from ._prompts import POSITIONS, packed_suffixes, shared_prefix_length
+from ._text import TextTower, class_prompts, pad_sequences
 from .base import Adapter, AdapterConfig, AdapterError, register_adapter
 from .coop_export import PROMPTS
 
@@ -90,33 +90,13 @@ class CoOp(Adapter):
 
         # Token ids per class, with a placeholder id where the context goes: its embedding is replaced, but
         # the pooling must not find it (the start token; padding for a tokenizer without one).
-        dot = tower.encode_words(self.prompt_suffix())  # after the class name
         ends = tower.prompt_ends()  # the tokenizer's start (maybe none) and end tokens
         placeholder = init_ids if init_ids is not None else [tower.placeholder_id] * n_ctx  # embedding replaced
-        names = []
-        for name in self.classnames:
-            names.append(tower.encode_words(name))
-            if not names[-1]:
-                raise AdapterError(f"class name {name!r} gives no tokens with the tokenizer of backbone "
-                                   f"{backbone.name!r} (no word it can encode); rename the class with words, e.g. in "
-                                   f"the dataset's folder names or split file")
-        layout = assemble_prompts(names, placeholder, cfg.class_token_position, start=ends.start, end=ends.end,
-                                  suffix=dot)
+        layout = class_prompts(tower, self.classnames, placeholder, cfg.class_token_position, backbone.name,
+                               suffix=self.prompt_suffix())
         seqs, ctx_pos = layout.tokens, layout.ctx_positions
         self.prompt_lengths = [len(s) for s in seqs]  # tokens of each class prompt, start and end included
-        seen = {}
-        for name, seq in zip(self.classnames, seqs):
-            if tuple(seq) in seen:
-                raise AdapterError(f"class names {seen[tuple(seq)]!r} and {name!r} give the same tokens with the "
-                                   f"tokenizer of backbone {backbone.name!r} (e.g. unknown words all become its "
-                                   f"<unk> token), so the text tower cannot tell them apart; rename one of them")
-            seen[tuple(seq)] = name
-        longest = max(len(s) for s in seqs)
-        if longest > tower.context_length:
-            worst = self.classnames[max(range(C), key=lambda i: len(seqs[i]))]
-            raise AdapterError(f"the prompt for class {worst!r} has {longest} tokens, more than the text tower's "
-                               f"context length {tower.context_length}; use a smaller adapter.n_ctx or a shorter "
-                               f"class name")
+        longest = max(self.prompt_lengths)
         # Cut to the longest prompt where that is exact (causal mask, pooling at the end-of-text token).
         L = longest if tower.can_truncate else tower.context_length
         tokens = pad_sequences(seqs, L, pad_id=getattr(tower, "pad_id", 0))

@@ -30,7 +30,6 @@ import logging
 from dataclasses import dataclass
 from typing import Dict
 
-import torch
 from torch import Tensor, nn
 
 from fewclip.engine import CachedFeatures, train_loop

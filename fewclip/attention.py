@@ -167,6 +167,9 @@ class Window:
 
     ``prefix``: tokens before the patches (the class token); ``grid``: (rows, cols) of patches;
     ``causal``: the tower also applies a causal mask (known so the flex path can rebuild it).
+    Tokens after the patch grid (position >= prefix + rows * cols, e.g. the prompt tokens that deep
+    prompting appends to an image tower's sequence) have no place on it: they see every token and every
+    token sees them, whatever the window.
     """
 
     k: int
@@ -182,6 +185,7 @@ class Window:
         k, P, shape, cls_global = self.k, self.prefix, self.shape, self.cls == "global"
         causal = self.causal and with_causal
         gw = self.grid[1] if self.grid else 1
+        end = P + self.grid[0] * self.grid[1] if self.grid else None  # first token after the patches
 
         def mod(b, h, q, kv):
             if shape == "band":
@@ -193,6 +197,8 @@ class Window:
                 ok = ((qi // gw - ki // gw).abs() <= k) & ((qi % gw - ki % gw).abs() <= k)
             if P and cls_global:
                 ok = ok | (q < P) | (kv < P)
+            if end is not None:
+                ok = ok | (q >= end) | (kv >= end)
             if causal:
                 ok = ok & (kv <= q)
             return ok

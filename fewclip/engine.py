@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from .cost import RunCost
 from .features import Augment, FeatureCache, Features, View, accuracy, extract_features, progress
@@ -188,6 +187,11 @@ class FeatureSource:
     def validation(self) -> Features:
         raise NotImplementedError
 
+    def frozen(self, epoch: int, idx: torch.Tensor) -> torch.Tensor:
+        """The frozen image tower's features [B, D] of the same pixels as ``batch(epoch, idx)`` (for adapters
+        with ``wants_frozen_features``)."""
+        raise NotImplementedError
+
 
 class CachedFeatures(FeatureSource):
     """Precomputed features: epoch e uses ``views[e % len(views)]`` (augmented views, or the un-augmented
@@ -203,6 +207,9 @@ class CachedFeatures(FeatureSource):
     def batch(self, epoch: int, idx: torch.Tensor) -> torch.Tensor:
         return self.views[epoch % len(self.views)].x[idx]
 
+    def frozen(self, epoch: int, idx: torch.Tensor) -> torch.Tensor:
+        return self.batch(epoch, idx)  # cached features are the frozen tower's
+
     def validation(self) -> Features:
         return self.val
 
@@ -216,6 +223,7 @@ class FreshImages(FeatureSource):
         self.run = run
         self.labels = torch.tensor([it.label for it in run.split.train], dtype=torch.long)
         self.plain = None if run.cfg.augment else run.backbone.preprocess()
+        self._frozen: Tuple[int, Optional[torch.Tensor]] = (-1, None)
 
     def batch(self, epoch: int, idx: torch.Tensor) -> torch.Tensor:
         run = self.run
@@ -228,6 +236,14 @@ class FreshImages(FeatureSource):
             return run.adapter.encode_images(pixels)
         with torch.no_grad(), torch.autocast(run.backbone.device.type, enabled=False):
             return run.backbone.encode_images(pixels)
+
+    def frozen(self, epoch: int, idx: torch.Tensor) -> torch.Tensor:
+        """From the run's feature cache: view ``epoch`` of every training image, encoded once by the frozen
+        tower (and shared with the runs of a sweep that ask for the same view)."""
+        if self._frozen[0] != epoch:
+            view = self.run.view(epoch) if self.plain is None else None
+            self._frozen = (epoch, self.run.frozen_train(view).x)
+        return self._frozen[1][idx]
 
     def validation(self) -> Features:
         return self.run.validation()
@@ -288,6 +304,15 @@ class RunFeatures:
     def train_plain(self) -> Features:
         """The un-augmented training images."""
         return self._encode(self.split.train, None, "train")
+
+    def frozen_train(self, view: Optional[View]) -> Features:
+        """The training images through the frozen tower (``view`` None: un-augmented), from the cache, whatever
+        tower the adapter trains."""
+        out, encoded = self.cache.features(self.backbone, self.dataset, self.split.train, view=view,
+                                           batch_size=self.batch_size, workers=self.workers,
+                                           desc="train (frozen tower)")
+        self.cost.count_images(len(self.split.train), encoded)
+        return out
 
     def train_views(self, k: int) -> List[Features]:
         """Views 0 .. k-1 of the training images."""
@@ -359,6 +384,7 @@ def train_loop(adapter, source: FeatureSource, cfg: TrainConfig, shots: int, gen
     per_epoch, total, epochs, warmup = schedule(cfg, shots, n)
     best = (-1.0, None, -1)
     history = []
+    wants_frozen = bool(getattr(adapter, "wants_frozen_features", False))
     step = 0
     adapter.train()
     with forked_global_rng(generator):
@@ -371,8 +397,9 @@ def train_loop(adapter, source: FeatureSource, cfg: TrainConfig, shots: int, gen
                 for g in opt.param_groups:
                     g["lr"] = cosine_lr(step, total, warmup, cfg.lr, cfg.warmup_lr)
                 y = source.labels[idx].to(device)
+                extra = {"frozen": source.frozen(epoch, idx).to(device)} if wants_frozen else {}
                 with amp_autocast(device, cfg.amp):
-                    terms = adapter.training_loss(source.batch(epoch, idx).to(device), y)
+                    terms = adapter.training_loss(source.batch(epoch, idx).to(device), y, **extra)
                 loss = terms["loss"]
                 if not torch.isfinite(loss):  # stop: nothing non-finite is trained on, saved or recorded
                     raise NonFiniteError(f"the training loss became {float(loss.detach())} at step {step + 1} "

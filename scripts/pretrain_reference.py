@@ -7,7 +7,6 @@ Writes the weights (fp16 safetensors), the vocabulary and the backbone card into
 ``out`` (default: fewclip/reference, where the shipped models live), then prints
 zero-shot top-1 on every toy task. Recipes: toy-clip, toy-euclip, toy-meru, toy-siglip.
 """
-import logging
 import sys
 import time
 
