@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from ._deep import DeepPromptAdapter, normal, vision_transformer
+from ._state_export import STATE
 from .base import AdapterConfig, AdapterError, register_adapter
 
 
@@ -106,4 +107,4 @@ class IVLP(DeepPromptAdapter):
         return self.vision_prompts if self.depth_vision else None
 
 
-register_adapter("ivlp", IVLPConfig, IVLP)
+register_adapter("ivlp", IVLPConfig, IVLP, export=STATE)

@@ -31,6 +31,7 @@ import torch
 import torch.nn as nn
 
 from ._deep import DeepPromptAdapter, linear_init, normal, vision_transformer
+from ._state_export import STATE
 from .base import AdapterConfig, register_adapter
 
 
@@ -98,4 +99,4 @@ class MaPLe(DeepPromptAdapter):
         return torch.einsum("jnt,jvt->jnv", T, W) + b.unsqueeze(1)
 
 
-register_adapter("maple", MaPLeConfig, MaPLe)
+register_adapter("maple", MaPLeConfig, MaPLe, export=STATE)

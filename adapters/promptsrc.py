@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from ._deep import gaussian_weights
+from ._state_export import STATE
 from .base import AdapterError, register_adapter
 from .ivlp import IVLP, IVLPConfig
 
@@ -188,4 +189,4 @@ class PromptSRC(IVLP):
                 self._gpa_sum = None
 
 
-register_adapter("promptsrc", PromptSRCConfig, PromptSRC)
+register_adapter("promptsrc", PromptSRCConfig, PromptSRC, export=STATE)

@@ -177,6 +177,9 @@ TEXT = {  # the text-prompt family, one epoch each: they export through the same
     "kgcoop": ["adapter=kgcoop", "train.epochs=1"],
     "prograd": ["adapter=prograd", "train.epochs=1"],
     "tcp": ["adapter=tcp", "train.epochs=1"],
+    "ivlp": ["adapter=ivlp", "train.epochs=1"],  # and the deep prompts, which adapt the image tower too
+    "maple": ["adapter=maple", "train.epochs=1"],
+    "promptsrc": ["adapter=promptsrc", "train.epochs=1"],
 }
 
 
@@ -211,7 +214,7 @@ def test_every_cache_method_runs_in_a_sweep_and_reports_its_cost(sweep_dir, caps
 
 
 @pytest.mark.parametrize("name", sorted(QUICK) + sorted(TEXT))
-def test_every_cache_and_text_prompt_method_exports_and_predicts_what_it_scored(name, sweep_dir, shapes, tmp_path):
+def test_every_cache_and_prompt_method_exports_and_predicts_what_it_scored(name, sweep_dir, shapes, tmp_path):
     run = sweep_dir / "toy-meru" / "toy-shapes" / name / "1shot" / "seed1"
     assert adapter_info(name).export is STATE
     done = export_run(run, tmp_path / f"{name}.safetensors")
@@ -225,7 +228,7 @@ def test_every_cache_and_text_prompt_method_exports_and_predicts_what_it_scored(
     adapter.load_adapter_state_dict(load_file(str(run / "adapter.safetensors")))
     images = [shapes.load_image(it) for it in shapes.items("test")[:4]]
     with torch.no_grad():
-        want = adapter(clf.backbone.encode_images(clf.pixels(images)))
+        want = adapter(adapter.encode_images(clf.pixels(images).to(clf.backbone.device)))
     torch.testing.assert_close(clf.logits(images), want, rtol=1e-6, atol=1e-6)
     if adapter.supports_new_classes:
         assert clf.with_classnames(["moon", "sun"]).logits(images).shape == (4, 2)
