@@ -358,3 +358,24 @@ def test_no_store_when_it_is_off(spec, tmp_path, monkeypatch, feature_store):
     assert not any(feature_store.iterdir())
     m = json.loads((out / RUNS[0] / "metrics.json").read_text())
     assert m["images_from_store"] == 0 and m["images_encoded"] == 16
+
+
+def test_a_claim_survives_the_holder_tidying_its_temporary_file(tmp_path, monkeypatch):
+    """The holder of a run's lock clears the run and removes leftover temporary files (records.remove_leftovers),
+    among them the file a contender is about to link into place as the lock: the contender is told the run is
+    busy (it tries again later), not stopped by an error."""
+    holder = records.RunLock(tmp_path)
+    assert holder.try_acquire()
+    link = os.link
+
+    def tidied_first(src, dst):
+        records.remove_leftovers(tmp_path)  # what clear_run does under the holder's lock
+        return link(src, dst)
+
+    monkeypatch.setattr(records.os, "link", tidied_first)
+    contender = records.RunLock(tmp_path)
+    assert contender.try_acquire() is False and contender.blocked_by.pid == os.getpid()
+    monkeypatch.setattr(records.os, "link", link)
+    holder.release()
+    assert contender.try_acquire()
+    contender.release()
