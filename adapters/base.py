@@ -88,6 +88,13 @@ class Adapter(nn.Module):
     def forward(self, features: torch.Tensor) -> torch.Tensor:  # [B, D] raw -> [B, C]
         raise NotImplementedError
 
+    @classmethod
+    def will_train_image_tower(cls, cfg: AdapterConfig) -> bool:
+        """Whether an adapter of config ``cfg`` will have ``trains_image_tower`` set, known before it is built: a
+        sweep launcher gives such runs whole GPUs (a cached-feature run can share one). Override it where the
+        config decides (LoRA's ``towers``)."""
+        return bool(cls.trains_image_tower)
+
     # Whether ``for_classnames`` can score class names the adapter was not trained on (base-to-novel's new
     # classes, cross-dataset targets): text-side methods can; a per-class weight or cache cannot.
     supports_new_classes: bool = False

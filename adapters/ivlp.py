@@ -73,6 +73,12 @@ class IVLP(DeepPromptAdapter):
     # The PromptSRC repository's IVLP config (SGD, momentum 0.9, weight decay 5e-4, one warm-up epoch at 1e-5).
     train_defaults = {"lr": 0.0025, "epochs": 20, "batch_size": 4}
 
+    @classmethod
+    def will_train_image_tower(cls, cfg: IVLPConfig) -> bool:
+        """Image prompts (depth_vision > 0) put the image tower in every step: a launcher gives the run a
+        whole GPU."""
+        return cfg.depth_vision > 0
+
     def __init__(self, cfg: IVLPConfig, backbone, classnames: Sequence[str], templates: Sequence[str] = (), *,
                  generator: Optional[torch.Generator] = None):
         n_text = cfg.n_ctx_text if cfg.depth_text else 0

@@ -167,7 +167,7 @@ class LoRA(Adapter):
         if bad:
             raise ValueError(f"each prompt template needs exactly one '{{}}' for the class name; bad: {bad}")
         self.adapts_text = cfg.towers in ("text", "both")
-        self.trains_image_tower = cfg.towers in ("vision", "both")
+        self.trains_image_tower = self.will_train_image_tower(cfg)
         model = _shared_copy(backbone.model)
         targets = lora_target_modules(model, cfg)
         self.peft_config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
@@ -198,6 +198,10 @@ class LoRA(Adapter):
             tokens = tokens[:, :L]
         self.register_buffer("tokens", tokens, persistent=False)
         self._fixed_protos: Optional[torch.Tensor] = None
+
+    @classmethod
+    def will_train_image_tower(cls, cfg: LoRAConfig) -> bool:
+        return cfg.towers in ("vision", "both")
 
     # -- towers --------------------------------------------------------------
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,8 @@ commands:
   train        one few-shot run: fewclip train adapter=coop data=toy-shapes shots=16 seed=1 out=runs/coop
                (protocol=base2new|cross_dataset|domain_shift [targets=[A,B]]: the generalisation protocols)
   sweep        methods x datasets x shots x seeds, resumable: fewclip sweep sweep/demo.yaml out=runs/demo
+               on worker processes, Ray or SLURM: launcher=local launcher.workers=4 | launcher=ray | launcher=slurm
+  cache        the on-disk feature store shared by runs and sweeps: fewclip cache [list|clear]
   report       seed-averaged tables and the accuracy-vs-shots plot: fewclip report runs/demo
   adapters     list the registered adapters (few-shot methods)
   export       a run in its method's export format: fewclip export runs/coop -o prompts.safetensors [nearest=3]
@@ -96,6 +98,14 @@ def cmd_datasets(args: Sequence[str]) -> int:
     return 0
 
 
+def _store_cache():
+    """A feature cache backed by the feature store ($FEWCLIP_CACHE, default ~/.cache/fewclip/features)."""
+    from .features import FeatureCache
+    from .store import open_store
+
+    return FeatureCache(open_store())
+
+
 def cmd_zeroshot(args: Sequence[str]) -> int:
     from fewclip.adapters.zeroshot import ZeroShotConfig
 
@@ -104,7 +114,7 @@ def cmd_zeroshot(args: Sequence[str]) -> int:
     cfg: RunConfig = load_config(args, RunConfig)
     setup_logging(cfg.log_level)
     out = run_dir(cfg.out, f"runs/zeroshot/{_protocol_prefix(cfg)}{Path(cfg.backbone.name).stem}_{cfg.data.name}")
-    metrics = run_train(as_train_config(cfg, ZeroShotConfig()), out)
+    metrics = run_train(as_train_config(cfg, ZeroShotConfig()), out, cache=_store_cache())
     if "evals" in metrics:
         print(f"zero-shot, {_protocol_words(metrics)}: {_evals_line(metrics)} with {metrics['backbone']} "
               f"[{metrics['geometry']}] -> {out / 'metrics.json'}")
@@ -137,7 +147,7 @@ def cmd_train(args: Sequence[str]) -> int:
     setup_logging(cfg.log_level)
     out = run_dir(cfg.out, f"runs/train/{_protocol_prefix(cfg)}{Path(cfg.backbone.name).stem}_{cfg.data.name}"
                            f"_{cfg.adapter.name}_{cfg.shots}shot_seed{cfg.seed}")
-    m = run_train(cfg, out)
+    m = run_train(cfg, out, cache=_store_cache())
     if "evals" in m:
         print(f"{m['method']} {cfg.shots}-shot seed {cfg.seed}, {_protocol_words(m)}: {_evals_line(m)}, "
               f"{m['train_time_s']:.1f} s -> {out}")
@@ -148,23 +158,78 @@ def cmd_train(args: Sequence[str]) -> int:
 
 
 def cmd_sweep(args: Sequence[str]) -> int:
-    from .report import write_report
+    from .report import NoRunsFoundError, write_report
     from .runs import load_sweep_config, run_sweep, sweep_lock
 
     cfg = load_sweep_config(args)
     setup_logging(cfg.log_level)
     out = run_dir(cfg.out, "runs/sweep")
     counts = run_sweep(cfg, out)
+    if counts.get("dry_run"):
+        return 0
     extra = "".join(f", {counts[k]} {what}" for k, what in (("rerun", "of them rerun (identity changed)"),
                                                             ("by_others", "done by another worker"),
+                                                            ("failed", "failed"),
                                                             ("replaced", "since replaced by another config"))
                     if counts.get(k))
     print(f"sweep: {counts['planned']} runs, {counts['done_before']} already done, {counts['ran']} ran{extra} -> {out}")
+    failures = counts.get("failures") or []
     if cfg.report:
-        with sweep_lock(out, cfg.lock_timeout_s):
-            rep = write_report(out)
-        print(rep.markdown)
-        print("report: " + ", ".join(str(p) for p in rep.paths.values()))
+        try:
+            with sweep_lock(out, cfg.lock_timeout_s):
+                rep = write_report(out)
+            print(rep.markdown)
+            print("report: " + ", ".join(str(p) for p in rep.paths.values()))
+        except NoRunsFoundError:
+            if not failures:
+                raise
+    if failures:
+        print(f"\nsweep: {len(failures)} run(s) failed; the next `fewclip sweep` with this config runs them again:")
+        for r in failures:
+            print(f"  {r.spec.dir}: {r.error}\n    log: {r.log}")
+        return 1
+    return 0
+
+
+def cmd_cache(args: Sequence[str]) -> int:
+    from .store import FeatureStore, store_setting
+
+    usage = ("usage: fewclip cache [list|clear] [dir=PATH] [backbone=NAME] [dataset=NAME]  (the feature store: "
+             "dir= or $FEWCLIP_CACHE, default ~/.cache/fewclip/features)")
+    action, opts = "list", {"dir": None, "backbone": None, "dataset": None}
+    for a in args:
+        if a in ("list", "clear"):
+            action = a
+        elif "=" in a and a.split("=", 1)[0] in opts:
+            key, value = a.split("=", 1)
+            opts[key] = value
+        else:
+            raise ConfigError(f"unknown argument {a!r}; {usage}")
+    root = store_setting(opts["dir"])
+    if root is None:
+        print("the feature store is off (FEWCLIP_CACHE=off); nothing is kept on disk")
+        return 0
+    store = FeatureStore(root)
+    if action == "clear":
+        removed = store.clear(backbone=opts["backbone"], dataset=opts["dataset"])
+        size = sum(g.bytes for g in removed) / 2**20
+        print(f"removed {len(removed)} feature group(s), {size:.1f} MiB, from {root}")
+        return 0
+    groups = [g for g in store.groups() if opts["backbone"] in (None, g.address.get("backbone"))
+              and opts["dataset"] in (None, g.address.get("dataset"))]
+    import time as _time
+
+    rows = [{"backbone": g.address.get("backbone", "?"), "dataset": g.address.get("dataset", "?"),
+             "images": g.transform, "variant": "local attention" if g.address.get("variant") else "",
+             "precision": g.address.get("precision", "?"), "requests": g.requests, "features": g.images,
+             "MiB": f"{g.bytes / 2**20:.1f}", "last used": _time.strftime("%Y-%m-%d %H:%M", _time.localtime(g.last_used))
+             if g.last_used else "-", "group": g.digest[:12]} for g in groups]
+    total = sum(g.bytes for g in groups) / 2**20
+    print(f"feature store {root}: {len(groups)} group(s), {sum(g.images for g in groups)} feature rows, {total:.1f} MiB")
+    if rows:
+        print(_table(rows, ["backbone", "dataset", "images", "variant", "precision", "requests", "features", "MiB",
+                            "last used", "group"]))
+        print("`fewclip cache clear [backbone=NAME] [dataset=NAME]` removes them (no sweep should be running)")
     return 0
 
 
@@ -287,6 +352,7 @@ COMMANDS: Dict[str, Callable[[Sequence[str]], int]] = {
     "export": cmd_export,
     "predict": cmd_predict,
     "import": cmd_import,
+    "cache": cmd_cache,
 }
 def _train_defaults(args: Sequence[str] = ()):
     """The train config with the given arguments (`fewclip train adapter=lora --help` shows LoRA's

@@ -6,8 +6,8 @@ override of the whole tree), and the ``key=value`` pairs last. The tree is in
 struct mode, so an unknown key or a value of the wrong type fails with a
 message naming the key.
 
-Shorthands: ``backbone=NAME``, ``data=NAME`` and ``adapter=NAME`` set the
-section's ``name`` (``backbone=ViT-B-32 backbone.pretrained=openai``).
+Shorthands: ``backbone=NAME``, ``data=NAME``, ``adapter=NAME`` and (for sweeps)
+``launcher=NAME`` set the section's ``name`` (``backbone=ViT-B-32 backbone.pretrained=openai``).
 
 A YAML argument that is not an existing file is also looked up among the
 config pieces shipped with fewclip (``configs/`` in the repository), so
@@ -28,7 +28,7 @@ from fewclip.datasets.base import DataConfig
 from fewclip.datasets.protocols import PROTOCOLS, TRANSFER_PROTOCOLS, default_targets
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-SHORTHANDS = ("backbone", "data", "adapter")
+SHORTHANDS = ("backbone", "data", "adapter", "launcher")
 
 
 class ConfigError(ValueError):

@@ -9,8 +9,10 @@ between runs) and its ``record()`` goes into the run's ``metrics.json``:
 * ``images_encoded``: every image passed through an image tower for this run: test images, validation
   images, training images in every view, every freshly encoded batch. Shared work is charged in full to
   every run that uses it, so a run costs the same whether it ran first or last in a sweep;
-  ``images_encoded_shared`` says how many of them this run took from the sweep's cache, encoded by an
-  earlier run (the rest were encoded during this run, and are in its wall time).
+  ``images_encoded_shared`` says how many of them this run did not encode itself but took from a cache
+  (the rest were encoded during this run, and are in its wall time), and ``images_from_store`` how many
+  of those came from the on-disk feature store (``fewclip.store``): encoded by another worker process or
+  an earlier sweep, not by this process.
 * ``peak_rss_mib``: the process's peak resident memory during the run (``VmHWM`` of ``/proc/self/status``,
   reset at the run's start with ``/proc/self/clear_refs`` where Linux allows it; ``peak_rss_reset`` says
   whether it was). It includes what the process already held: the backbone and, in a sweep, the cache.
@@ -84,18 +86,22 @@ class RunCost:
         self.device = torch.device(device)
         self.images_encoded = 0
         self.images_encoded_shared = 0
+        self.images_from_store = 0
         self.train_time_s = 0.0
         self.rss_reset = reset_peak_rss()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._t0 = time.perf_counter()
 
-    def count_images(self, used: int, encoded: Optional[int] = None) -> None:
+    def count_images(self, used: int, encoded: Optional[int] = None, from_store: int = 0) -> None:
         """``used`` images went through an image tower for this run; ``encoded`` of them now (default: all),
-        the rest came from a cache."""
+        the rest came from a cache, ``from_store`` of them from the on-disk feature store."""
         encoded = used if encoded is None else encoded
+        if not 0 <= int(from_store) <= int(used) - int(encoded):
+            raise ValueError(f"{from_store} images from the store, but {used - encoded} not encoded by this run")
         self.images_encoded += int(used)
         self.images_encoded_shared += int(used) - int(encoded)
+        self.images_from_store += int(from_store)
 
     def record(self, trainable_parameters: int) -> Dict:
         cuda = self.device.type == "cuda"
@@ -104,6 +110,7 @@ class RunCost:
             "train_time_s": round(self.train_time_s, 3),
             "images_encoded": self.images_encoded,
             "images_encoded_shared": self.images_encoded_shared,
+            "images_from_store": self.images_from_store,
             "peak_rss_mib": round(peak_rss_bytes() / MiB, 1),
             "peak_rss_reset": self.rss_reset,
             "peak_cuda_mib": round(torch.cuda.max_memory_allocated(self.device) / MiB, 1) if cuda else None,

@@ -4,9 +4,11 @@ Every image-tower pass of a run goes through ``RunFeatures``, which decides
 once, from the adapter and the ``train`` section, where features come from:
 
 * the frozen image tower (every adapter that does not train it): features are
-  computed once per image and view and kept in a ``FeatureCache`` that the runs
-  of a sweep share: test and validation images un-augmented, training images
-  un-augmented and in augmented views;
+  computed once per request (an ordered list of images as one view) and kept in
+  a ``FeatureCache`` that the runs of a sweep share, backed by the on-disk
+  feature store (``fewclip.store``) that worker processes and later sweeps
+  share: test and validation images un-augmented, training images un-augmented
+  and in augmented views;
 * the adapter's own image tower (``adapter.trains_image_tower``, e.g. LoRA on
   the vision tower): every step encodes freshly augmented pixels through
   ``adapter.encode_images`` with gradients, and validation and test images are
@@ -265,7 +267,8 @@ class FitData:
 class RunFeatures:
     """Every image-tower pass of one run (module docstring). The adapter's ``trains_image_tower`` is asked here,
     once: with it, images go through ``adapter.encode_images`` whenever asked; without it, through the
-    frozen tower once per image and view, shared through ``cache``. Every image is counted in ``cost``."""
+    frozen tower once per request, shared through ``cache`` (and its feature store). Every image is counted in
+    ``cost``."""
 
     def __init__(self, adapter, dataset, split, cfg: TrainConfig, *, seed: int, cache: Optional[FeatureCache] = None,
                  cost: Optional[RunCost] = None, batch_size: int = 256, workers: int = 0):
@@ -296,10 +299,10 @@ class RunFeatures:
             adapter.train(was_training)
             self.cost.count_images(len(items))
             return out
-        out, encoded = self.cache.features(self.backbone, self.dataset, items, view=view,
-                                           batch_size=self.batch_size, workers=self.workers, desc=desc)
-        self.cost.count_images(len(items), encoded)
-        return out
+        got = self.cache.features(self.backbone, self.dataset, items, view=view, batch_size=self.batch_size,
+                                  workers=self.workers, desc=desc)
+        self.cost.count_images(len(items), got.encoded, got.from_store)
+        return got.features
 
     def train_plain(self) -> Features:
         """The un-augmented training images."""

@@ -27,11 +27,12 @@ def input_errors() -> tuple:
     from .backbones import BackboneError
     from .config import ConfigError
     from .export import ExportError
+    from .launch import LauncherError
     from .records import RunDirError, RunExistsError
     from .report import NoRunsFoundError
 
     return (ConfigError, BackboneError, DatasetError, ExportError, NoRunsFoundError, AdapterError, RunExistsError,
-            RunDirError)
+            RunDirError, LauncherError)
 
 
 @functools.lru_cache(maxsize=None)

@@ -5,7 +5,9 @@ augmented *view*: RandomResizedCrop (+ horizontal flip where the dataset
 allows it) drawn from a ``torch.Generator`` seeded by (run seed, view index,
 image id), so view k of an image is the same pixels whoever asks for it and in
 whatever order (and never touches torch's global RNG). ``FeatureCache`` keeps
-the frozen tower's output per image and view, for the runs of a sweep to share.
+the frozen tower's output per request (an ordered list of images, as one view),
+for the runs of a sweep to share, in memory and in the on-disk feature store
+(``fewclip.store``) that worker processes and later sweeps share.
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ from fewclip.datasets.fewshot import derive_seed
 from .backbones import Backbone
 
 log = logging.getLogger(__name__)
+
+PROGRESS_ENV = "FEWCLIP_PROGRESS"
 
 
 class Features(NamedTuple):
@@ -136,10 +140,13 @@ class ImageItems(TorchDataset):
 
 
 def progress(iterable=None, **kwargs):
-    """A tqdm bar on an interactive terminal at log level info or lower; silent otherwise."""
+    """A tqdm bar on an interactive terminal at log level info or lower; silent otherwise, and in worker
+    processes of a sweep (``FEWCLIP_PROGRESS=0``: the launching terminal shows the sweep's progress)."""
+    import os
     import sys
 
-    quiet = logging.getLogger("fewclip").getEffectiveLevel() > logging.INFO or not sys.stderr.isatty()
+    quiet = (logging.getLogger("fewclip").getEffectiveLevel() > logging.INFO or not sys.stderr.isatty()
+             or os.environ.get(PROGRESS_ENV, "1") == "0")
     return tqdm(iterable, disable=quiet, **kwargs)
 
 
@@ -176,33 +183,103 @@ def extract_features(
     return Features(torch.cat(feats), torch.cat(labels))
 
 
-class FeatureCache:
-    """Raw frozen-tower features kept in memory across the runs of a sweep: one row per (image, view).
+class Lookup(NamedTuple):
+    """What ``FeatureCache.features`` gives: the features, how many of the images were encoded by this call,
+    and how many came from the on-disk feature store (encoded by another process or an earlier sweep)."""
 
-    Keyed by the backbone's identity (name, weights checksum, variant), the dataset object and the view
-    (``None``: the backbone's own preprocessing; or an augmented ``View``). A request encodes only the
-    images not cached yet, so in a sweep the test images are encoded once per backbone and dataset, and a
-    run's training views once per (seed, view) whichever method asks for them. The cache holds a reference
-    to each dataset it has features of, so a key is never reused by another dataset object.
+    features: Features
+    encoded: int
+    from_store: int
+
+
+class FeatureCache:
+    """Raw frozen-tower features of the runs of a sweep (or a worker's runs), per *request*: an ordered list of
+    images of one dataset, as the backbone's own preprocessing (``view=None``) or as an augmented ``View``.
+
+    A request is encoded as a whole, in batches of ``batch_size`` in its order, and kept: in memory, and in
+    the on-disk ``store`` (``fewclip.store.FeatureStore``) when one is given, where other worker processes and
+    later sweeps find it. So a request's features are the same bits whoever encoded it and whatever ran
+    before (an image's features change in the last bits with the batch it is encoded in). The methods of a
+    sweep that share a few-shot split ask for the same requests, and every run for the same test images.
+    The cache holds a reference to each dataset it has features of, so a key is never reused by another
+    dataset object.
     """
 
-    def __init__(self):
-        self._store: Dict[Tuple, Tuple[object, Dict[str, torch.Tensor]]] = {}
+    def __init__(self, store=None):
+        self.store = store
+        self._entries: Dict[Tuple, Tuple[object, Features, bool]] = {}  # key -> (dataset, features, from store)
 
     def features(self, backbone: Backbone, dataset, items: Sequence, *, view: Optional[View] = None,
-                 batch_size: int = 256, workers: int = 0, desc: str = "features") -> Tuple[Features, int]:
-        """Features of ``items`` (in their order) and how many of the images had to be encoded now."""
-        key = (backbone.name, backbone.weights_sha256, backbone.variant, dataset.name, id(dataset), view)
-        _, rows = self._store.setdefault(key, (dataset, {}))
-        missing = list({it.id: it for it in items if it.id not in rows}.values())
-        if missing:
-            x, _ = extract_features(backbone, dataset, missing, view=view, batch_size=batch_size, workers=workers,
-                                    desc=desc)
-            rows.update(zip((it.id for it in missing), x))
+                 batch_size: int = 256, workers: int = 0, desc: str = "features") -> Lookup:
+        """Features of ``items`` (in their order): from memory, from the store, or encoded now."""
+        ids = tuple(it.id for it in items)
+        labels = torch.tensor([it.label for it in items], dtype=torch.long)
         if not items:
-            return Features(torch.empty(0), torch.empty(0, dtype=torch.long)), 0
-        x = torch.stack([rows[it.id] for it in items])
-        return Features(x, torch.tensor([it.label for it in items], dtype=torch.long)), len(missing)
+            return Lookup(Features(torch.empty(0), labels), 0, 0)
+        key = (backbone.name, backbone.weights_sha256, backbone.variant, dataset.name, id(dataset), view,
+               int(batch_size), ids)
+        if key in self._entries:
+            _, feats, stored = self._entries[key]
+            return Lookup(feats, 0, len(items) if stored else 0)
+        group = self._group(backbone, dataset, view, batch_size)
+        x = self._read(group, ids) if group is not None else None
+        stored = x is not None
+        if x is None and group is not None:
+            x, stored = self._encode_once(group, backbone, dataset, items, view, batch_size, workers, desc)
+        elif x is None:
+            x = self._encode(backbone, dataset, items, view, batch_size, workers, desc)
+        feats = Features(x, labels)
+        self._entries[key] = (dataset, feats, stored)
+        return Lookup(feats, 0 if stored else len(items), len(items) if stored else 0)
+
+    # -- the on-disk store -------------------------------------------------
+    def _group(self, backbone, dataset, view, batch_size):
+        if self.store is None:
+            return None
+        from .store import address
+
+        return self.store.group(address(backbone, dataset, view, batch_size))
+
+    def _read(self, group, ids):
+        try:
+            return group.read(ids)
+        except OSError as e:
+            self._store_failed(e)
+            return None
+
+    def _encode_once(self, group, backbone, dataset, items, view, batch_size, workers, desc):
+        """Encode a request under its store lock, unless another process stored it meanwhile."""
+        ids = [it.id for it in items]
+        try:
+            lock = group.acquire(ids)
+        except OSError as e:  # no lock can be made there: no store
+            self._store_failed(e)
+            return self._encode(backbone, dataset, items, view, batch_size, workers, desc), False
+        try:
+            x = self._read(group, ids)
+            if x is not None:
+                return x, True
+            x = self._encode(backbone, dataset, items, view, batch_size, workers, desc)
+            try:
+                group.write(ids, x)
+            except OSError as e:
+                self._store_failed(e)
+            return x, False
+        finally:
+            lock.release()
+
+    def _store_failed(self, e: OSError) -> None:
+        from .errors import os_error_message
+
+        log.warning("feature store at %s cannot be used (%s); features are kept in memory only", self.store.root,
+                    os_error_message(e))
+        self.store = None
+
+    @staticmethod
+    def _encode(backbone, dataset, items, view, batch_size, workers, desc) -> torch.Tensor:
+        x, _ = extract_features(backbone, dataset, items, view=view, batch_size=batch_size, workers=workers,
+                                desc=desc)
+        return x
 
 
 @torch.no_grad()

@@ -604,6 +604,8 @@ class RunLock:
                 os.link(tmp, self.path)  # atomic, fails if the lock exists; the file is complete when it appears
             except FileExistsError:
                 pass
+            except FileNotFoundError:  # the lock's holder tidied our temporary file away (remove_leftovers)
+                return False
             except OSError as e:
                 if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
                     raise

@@ -15,13 +15,14 @@ identity and of its files' checksums (``fewclip.records``): a run is finished
 only if that record is valid. ``fewclip sweep`` skips finished runs of the same
 identity and reruns those whose config, backbone weights or data changed, so an
 interrupted sweep resumes where it stopped; a lock per run directory lets several
-sweeps share one out directory.
+sweeps share one out directory. Where a sweep's runs execute (this process, worker
+processes, Ray, SLURM) is ``fewclip.launch``'s part; each writes ``run.log`` beside
+its files.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -43,7 +44,8 @@ from .errors import user_errors
 from .evals import score_plan
 from .features import FeatureCache
 from .io import atomic_write
-from .records import (Identity, Run, RunLock, RunState, claim_run, config_dict, data_part, open_run, prepare_dir,
+from .launch import LauncherConfig
+from .records import (Identity, Run, RunLock, RunState, config_dict, data_part, open_run, prepare_dir,
                       remove_leftovers, run_identity, run_state, tidy, weights_checksum)
 from .zeroshot import TEST_SUBSET_SEED, test_items
 
@@ -325,6 +327,11 @@ class SweepConfig:
     # Seconds without a heartbeat after which another host's run lock counts as abandoned (null: the
     # FEWCLIP_LOCK_TIMEOUT_S environment variable, else 600). Locks of this host are judged by their pid.
     lock_timeout_s: Optional[float] = None
+    # Where the runs execute (fewclip.launch): launcher=local (launcher.workers=N processes), ray or slurm.
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    # The on-disk feature store shared by runs, workers and sweeps (fewclip.store): a folder, or "off";
+    # null: the FEWCLIP_CACHE environment variable, else ~/.cache/fewclip/features.
+    feature_store: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.lock_timeout_s is not None and not 0 < self.lock_timeout_s < float("inf"):
@@ -336,7 +343,7 @@ def load_sweep_config(args: Sequence[str]) -> SweepConfig:
     chooses (method labels, backbone names), so they accept new keys; everything else stays in struct mode,
     and each run's own arguments are checked by ``run_sweep`` before the first run starts."""
     base = OmegaConf.structured(SweepConfig)
-    for node in (base.sweep.variants, base.sweep.backbone_args, base.sweep.targets):
+    for node in (base.sweep.variants, base.sweep.backbone_args, base.sweep.targets, base.launcher.sbatch):
         OmegaConf.set_struct(node, False)  # values keep their type (a list of strings)
     return to_object(compose(SweepConfig, args, base=base))
 
@@ -392,17 +399,20 @@ class _Planned:
     state: RunState
 
 
-def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, int]:
-    """Run every planned run that is not finished with its current identity; returns counts.
+def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, Any]:
+    """Run every planned run that is not finished with its current identity; returns counts (and
+    ``failures``: the ``fewclip.launch.worker.RunResult`` of each failed run).
 
     Finished runs whose identity changed (config, backbone weights, data) run again and the log says
-    how many and why. Each run is claimed with its directory's lock, so any number of sweeps or workers
-    can share ``out``: a run held by another live process is left to it and checked again at the end
-    (``poll_s`` seconds between checks); one whose holder is gone is taken over.
+    how many and why. The runs execute where ``cfg.launcher`` says (``fewclip.launch``); each is claimed
+    with its directory's lock, so any number of sweeps or workers can share ``out``: a run held by another
+    live process is left to it and checked again later (``poll_s`` seconds between checks); one whose
+    holder is gone is taken over. A failed run does not stop the others; the next sweep runs it again.
     """
-    from .features import progress
     from .io import atomic_write_text
+    from .launch import check_launcher
 
+    check_launcher(cfg.launcher)  # a missing optional dependency fails now, not after the planning
     out = prepare_dir(out)
     with sweep_lock(out, cfg.lock_timeout_s):  # the sweep's own files: one writer at a time
         remove_leftovers(out)
@@ -419,7 +429,12 @@ def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, int
         c.log_level = cfg.log_level
         parsed.append(c)
     # Load what the runs need and work out each run's identity: a finished run counts only if it is this one.
-    resources = RunResources()
+    from .launch.worker import WorkerContext
+    from .store import store_setting
+
+    context = WorkerContext(store_setting(cfg.feature_store))  # also the in-process launcher's
+    resources = context.resources
+
     plans = []
     for r, c in zip(runs, parsed):
         try:
@@ -442,51 +457,36 @@ def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, int
     for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
         log.warning("sweep: %d finished run(s) do not match this sweep and run again: %s", n, reason)
 
-    cache = FeatureCache()
-    bar = progress(total=len(todo), desc="sweep", unit="run")
-    pending, said = todo, None
-    while pending:
-        waiting = []
-        for p in pending:
-            r, c, d = p.run, p.cfg, out / p.run["dir"]
-            lock = claim_run(d, stale_after_s=cfg.lock_timeout_s)
-            if lock is None:  # another sweep or worker is on it
-                waiting.append(p)
-                continue
-            try:
-                state = run_state(d, p.identity)  # again, under the lock
-                if state.finished:
-                    counts["by_others"] += 1
-                    bar.update()
-                    continue
-                bar.set_postfix_str(f"{r['method']} {r['dataset']} {r['shots']}-shot seed {r['seed']}")
-                bb, plan = resources(c)
-                kwargs = dict(backbone=bb, plan=plan, cache=cache, method=r["method"], lock=lock, overwrite=True)
-                try:
-                    run_train(c, d, **kwargs)
-                except user_errors() as e:
-                    raise _in_run(e, r) from e
-                counts["ran"] += 1
-                counts["rerun"] += int(state.holds_results)
-                bar.update()
-            finally:
-                lock.release()
-        if waiting and len(waiting) == len(pending):
-            if said is None or time.monotonic() - said > 60:  # say it once a minute
-                log.info("sweep: waiting for %d run(s) held by other workers (e.g. %s)", len(waiting),
-                         waiting[0].run["dir"])
-                said = time.monotonic()
-            time.sleep(poll_s)
-        pending = waiting
-    bar.close()
+    from .launch import launch
+
+    specs = [_spec(p, out, cfg, context.store_root) for p in todo]
+    outcome = launch(cfg.launcher, specs, out=out, context=context, poll_s=poll_s)
+    if outcome.dry_run:
+        return {**counts, "dry_run": True}
+    counts.update(outcome.counts)
+    counts["failures"] = outcome.failures
     # A concurrent sweep with other settings may have replaced runs since: say so rather than report them silently.
-    replaced = [p for p in plans if not run_state(out / p.run["dir"], p.identity).finished]
+    failed = {r.spec.dir for r in outcome.failures}
+    replaced = [p for p in plans if str(p.run["dir"]) not in failed and not run_state(out / p.run["dir"],
+                                                                                     p.identity).finished]
     counts["replaced"] = len(replaced)
     if replaced:
         log.warning("sweep: %d run(s) in %s now hold results of another config (another sweep with other settings "
                     "shares this out directory), e.g. %s: %s", len(replaced), out, replaced[0].run["dir"],
                     run_state(out / replaced[0].run["dir"], replaced[0].identity).reason)
     return counts
+
+
+def _spec(p: _Planned, out: Path, cfg: SweepConfig, store: Optional[str]):
+    """A planned run as the launchers hand it to the run function (``fewclip.launch.worker.execute_run``)."""
+    from .launch.worker import RunSpec
+
+    r = p.run
+    trains = adapter_info(p.cfg.adapter.name).adapter_cls.will_train_image_tower(p.cfg.adapter)
+    return RunSpec(out=str(Path(out).resolve()), dir=str(r["dir"]), args=tuple(r["args"]), identity=p.identity,
+                   method=r["method"], backbone=r["backbone"], dataset=r["dataset"], shots=int(r["shots"]),
+                   seed=int(r["seed"]), log_level=cfg.log_level, lock_timeout_s=cfg.lock_timeout_s, store=store,
+                   trains_image_tower=bool(trains))
 
 
 def _in_run(e: Exception, r: Dict[str, Any]) -> Exception:

@@ -69,3 +69,12 @@ def shapes():
     from fewclip.datasets import DataConfig, build_dataset
 
     return build_dataset(DataConfig(name="toy-shapes"))
+
+
+@pytest.fixture(autouse=True)
+def feature_store(tmp_path_factory, monkeypatch):
+    """Each test has a feature store of its own (fewclip.store), never the user's ~/.cache: features
+    stored by one test do not change what another one encodes."""
+    root = tmp_path_factory.mktemp("feature-store")
+    monkeypatch.setenv("FEWCLIP_CACHE", str(root))
+    return root

@@ -248,9 +248,11 @@ def test_two_sweeps_with_the_same_config_do_each_run_once(tmp_path):
     check_finished(out)
     writers = [json.loads((out / r / "metrics.json").read_text())[records.RECORD_KEY]["writer"]["pid"] for r in RUNS]
     assert set(writers) <= set(result["pids"])
-    lines = [line for line in log.splitlines()  # what run_train and the zero-shot evaluation log once per run
-             if ("fewclip.runs:" in line and " top1 " in line) or "fewclip.zeroshot: zero-shot" in line]
+    # the line each sweep prints for a run it ran (a run the other one ran is "done by another worker")
+    lines = [line for line in log.splitlines() if "fewclip.launch.progress: [" in line and ": top-1 " in line]
     assert len(lines) == len(RUNS), "\n".join(lines)  # every run trained and tested once, by one of the two
+    for r in RUNS:  # and its log is that one attempt's
+        assert (out / r / "run.log").read_text().count("fewclip.launch.worker: run ") == 1
 
 
 def test_two_sweeps_with_different_configs_never_mix_a_run(tmp_path):

@@ -1,0 +1,147 @@
+"""``launcher=slurm``: SLURM job arrays through submitit (``pip install "fewclip[slurm]"``).
+
+The runs are cut into array tasks of ``launcher.runs_per_task`` runs each, in plan order (so a task's runs
+share a backbone and dataset); one ``sbatch`` array job runs them, at most ``launcher.array_parallelism``
+tasks at once, each task with ``launcher.gpus_per_task`` GPUs, ``cpus_per_task`` CPUs, ``mem_gb`` GB and
+``time_min`` minutes (``--partition``, ``--account``, ``--qos``, ``--constraint`` and any ``launcher.sbatch``
+option where given). A task runs its runs one after another with ``execute_run``, waiting for a run
+that another launcher holds. The launching process waits for the tasks and prints each task's runs as it
+ends; if it is stopped, the tasks go on, and the next ``fewclip sweep`` skips what they finished.
+
+``launcher.dry_run=true`` prints the sbatch script submitit would submit, and the runs of each task,
+and submits nothing. ``launcher.cluster=local`` runs the same array tasks as processes on this machine
+(submitit's local executor: all at once), which is how the tests exercise this code path.
+"""
+from __future__ import annotations
+
+import logging
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+from . import LauncherError, require_extra
+from .progress import Outcome, SweepProgress
+from .worker import RunResult, RunSpec, run_many
+
+log = logging.getLogger(__name__)
+
+
+def chunks(specs: List[RunSpec], size: int) -> List[List[RunSpec]]:
+    return [specs[i:i + size] for i in range(0, len(specs), size)]
+
+
+def sbatch_parameters(cfg) -> Dict[str, Any]:
+    """The sbatch settings of each array task, in submitit's SlurmExecutor names."""
+    p: Dict[str, Any] = {"job_name": cfg.job_name, "time": cfg.time_min, "cpus_per_task": cfg.cpus_per_task,
+                         "mem": f"{cfg.mem_gb}GB", "array_parallelism": cfg.array_parallelism}
+    if cfg.gpus_per_task:
+        p["gpus_per_node"] = cfg.gpus_per_task  # one task per allocation: its GPUs
+    for key in ("partition", "account", "qos", "constraint"):
+        if getattr(cfg, key):
+            p[key] = getattr(cfg, key)
+    if cfg.setup:
+        p["setup"] = list(cfg.setup)
+    if cfg.sbatch:
+        p["additional_parameters"] = dict(cfg.sbatch)
+    return p
+
+
+def folder_of(cfg, out: Path) -> Path:
+    return Path(cfg.folder).expanduser().resolve() if cfg.folder else (Path(out) / ".submitit").resolve()
+
+
+def submission_text(cfg, out: Path, tasks: int) -> str:
+    """The sbatch script of the array job, exactly as submitit's SlurmExecutor writes it."""
+    require_extra("slurm")
+    # submitit makes the script in a private function of its slurm module (SlurmExecutor, its only public
+    # door, refuses to exist where no `srun` is found): called here, in this one place, for the dry run.
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    folder = folder_of(cfg, out)
+    command = " ".join([shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(str(folder))])
+    return _make_sbatch_string(command=command, folder=folder, map_count=tasks, **sbatch_parameters(cfg))
+
+
+def dry_run(cfg, specs: List[RunSpec], *, out: Path) -> Outcome:
+    tasks = chunks(specs, cfg.runs_per_task)
+    if not tasks:
+        print("sweep: nothing to submit: every run is finished")
+        return Outcome(dry_run=True)
+    print(f"# launcher=slurm dry run: {len(specs)} run(s) in an array of {len(tasks)} task(s), "
+          f"{cfg.runs_per_task} run(s) per task; this sbatch script would be submitted:\n")
+    print(submission_text(cfg, out, len(tasks)))
+    for i, task in enumerate(tasks):
+        print(f"# task {i}: " + ", ".join(s.dir for s in task))
+    return Outcome(dry_run=True)
+
+
+def executor(cfg, out: Path):
+    submitit = require_extra("slurm")
+    folder = folder_of(cfg, out)
+    if cfg.cluster == "local":
+        ex = submitit.LocalExecutor(folder=folder)
+        ex.update_parameters(timeout_min=cfg.time_min)
+        return ex
+    try:
+        ex = submitit.SlurmExecutor(folder=folder)
+    except RuntimeError:
+        raise LauncherError("launcher=slurm needs SLURM's srun and sbatch on PATH: run fewclip sweep on the "
+                            "cluster's login node (launcher.dry_run=true prints the submission here; "
+                            "launcher.cluster=local runs the same tasks on this machine)") from None
+    ex.update_parameters(**sbatch_parameters(cfg))
+    return ex
+
+
+def run_slurm(cfg, specs: List[RunSpec], progress: SweepProgress, *, out: Path, poll_s: float = 5.0) -> None:
+    tasks = chunks(specs, cfg.runs_per_task)
+    if not tasks:
+        return
+    ex = executor(cfg, out)
+    if cfg.cluster == "slurm":
+        threads = cfg.cpus_per_task
+    else:  # the local executor starts every task at once: share this machine's CPUs
+        from .local import cpu_count
+
+        threads = max(1, cpu_count() // len(tasks))
+    jobs = ex.map_array(run_many, tasks, [threads] * len(tasks))
+    log.info("sweep: submitted %d array task(s) (%s), %d run(s) each; submitit's files: %s", len(jobs),
+             jobs[0].job_id.split("_")[0] if jobs else "-", cfg.runs_per_task, folder_of(cfg, out))
+    pending = dict(zip(range(len(jobs)), zip(jobs, tasks)))
+    try:
+        while pending:
+            for i, (job, task) in list(pending.items()):
+                if not job.done():
+                    continue
+                del pending[i]
+                for r in _results(job, task):
+                    progress.finished(r)
+            if pending:
+                time.sleep(poll_s)
+    except KeyboardInterrupt:
+        log.warning("sweep: stopped waiting; the %d array task(s) still queued or running go on (scancel %s to "
+                    "stop them)", len(pending), jobs[0].job_id.split("_")[0])
+        raise
+
+
+def _results(job, task: List[RunSpec]) -> List[RunResult]:
+    """A task's results, or, for a task that ended without them (killed, out of time), what its runs left."""
+    from fewclip.records import run_state
+
+    try:
+        return list(job.result())
+    except Exception as e:  # submitit's FailedJobError, UncompletedJobError, ...
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        stderr = str(getattr(getattr(job, "paths", None), "stderr", "") or "")
+        out = []
+        for spec in task:
+            state = run_state(spec.path, spec.identity)
+            if state.finished:
+                m = state.metrics or {}
+                out.append(RunResult(spec, "ran", top1=m.get("top1"), wall_time_s=m.get("wall_time_s"),
+                                     worker=f"task {job.job_id}"))
+            else:
+                out.append(RunResult(spec, "failed", worker=f"task {job.job_id}", log=stderr or str(spec.path / "run.log"),
+                                     error=f"SLURM task {job.job_id} ended without finishing it: {reason}"))
+        return out

@@ -1,0 +1,265 @@
+"""The feature store: frozen image-tower features on disk, shared by runs, worker processes and sweeps.
+
+A *request* for features is an ordered list of images of one dataset through one frozen tower, as the
+backbone's evaluation transform or as an augmented view (``fewclip.features.View``). The store keeps the
+features of each request under a content address:
+
+* the *group* (a folder): the backbone's weights checksum (``records.weights_checksum``), its tower
+  variant (a local-attention window: ``Backbone.variant``), precision and device type, the dataset's name
+  and root folder, the transform (the evaluation transform's description, or the augmentation with the
+  run seed and view index of the view), the encoding batch size and torchvision's version;
+* the *shard* (a file in the group): the sha256 of the ordered image ids.
+
+A request is encoded as a whole, in batches of ``batch_size`` in its order, so its features are a function
+of the address alone: whichever process, worker or sweep encoded it, and whatever ran before, the same
+request gives the same bits (an image's features differ in the last bits with the batch it is encoded
+in, so a cache filled image by image would not). The methods of a sweep that share a few-shot split ask
+for the same requests, and every run asks for the same test images.
+
+Layout under the root (``FEWCLIP_CACHE``, default ``~/.cache/fewclip/features``)::
+
+    v1/<group digest>/address.json            what the group's features are a function of
+    v1/<group digest>/<ids digest>.safetensors  x [N, D] float32, metadata: the N image ids
+    v1/<group digest>/.fewclip.encode.<ids digest>.lock   while one process encodes the request
+
+Files are written atomically (``fewclip.io``): a reader sees a complete shard or none. While one process
+encodes a request, others that need it wait on its lock (``records.RunLock``: a lock of a process that is
+gone is taken over) and then read the shard, so a request is encoded once however many workers ask.
+The store trusts that an image id names the same pixels: after changing a dataset's files in place (or
+the code that renders the toy world), clear it (``fewclip cache clear``). A store that cannot be written
+(a full disk, a read-only folder) is not an error: the runs go on with features in memory and the log
+says why once.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+STORE_ENV = "FEWCLIP_CACHE"
+FORMAT = "fewclip.features"
+VERSION = 1
+ADDRESS_FILE = "address.json"
+OFF = ("off", "none", "false", "no", "0")
+# Bump when the augmentation's draws or the evaluation pixels change for the same settings.
+VIEW_CODE_VERSION = 1
+
+
+def default_root() -> Path:
+    """``$FEWCLIP_CACHE``, else ``$XDG_CACHE_HOME/fewclip/features`` (``~/.cache/fewclip/features``)."""
+    env = os.environ.get(STORE_ENV)
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fewclip" / "features"
+
+
+def store_setting(value: Optional[str] = None) -> Optional[str]:
+    """The store location a setting names, as an absolute path, or None for no store: ``value`` (a path,
+    or off/none), else ``$FEWCLIP_CACHE`` (which may say off too), else the default."""
+    if value is None:
+        env = os.environ.get(STORE_ENV)
+        if env is not None and env.strip().lower() in OFF:
+            return None
+        return str(default_root().resolve())
+    if value.strip().lower() in OFF:
+        return None
+    return str(Path(value).expanduser().resolve())
+
+
+def open_store(value: Optional[str] = None) -> Optional["FeatureStore"]:
+    """The store a setting names (``store_setting``), or None."""
+    root = store_setting(value)
+    return FeatureStore(root) if root else None
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def ids_digest(ids: Sequence[str]) -> str:
+    """The shard name of an ordered list of image ids."""
+    h = hashlib.sha256()
+    for i in ids:
+        h.update(str(i).encode("utf-8"))
+        h.update(b"\0")
+    return h.hexdigest()[:40]
+
+
+def describe_transform(transform) -> str:
+    """A transform's repr without memory addresses (open_clip's pipeline holds a plain function)."""
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(transform))
+
+
+def address(backbone, dataset, view, batch_size: int) -> Dict[str, Any]:
+    """The group address of the features of ``dataset``'s images through ``backbone``'s frozen image tower,
+    as ``view`` (None: the backbone's evaluation transform), encoded in batches of ``batch_size``."""
+    import torchvision
+
+    from .records import weights_checksum
+
+    if view is None:
+        transform = {"kind": "eval", "transform": describe_transform(backbone.preprocess())}
+    else:
+        transform = {"kind": "view", "augment": asdict(view.augment), "seed": int(view.seed),
+                     "index": int(view.index), "code": VIEW_CODE_VERSION}
+    root = getattr(dataset, "root", None)
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "backbone": backbone.name,
+        "weights": weights_checksum(backbone),
+        "variant": backbone.variant,
+        "precision": str(backbone.dtype).replace("torch.", ""),
+        "device": backbone.device.type,
+        "dataset": dataset.name,
+        "data_root": str(Path(root).resolve()) if root else None,
+        "transform": transform,
+        "batch_size": int(batch_size),
+        "torchvision": ".".join(torchvision.__version__.split("+")[0].split(".")[:2]),
+    }
+
+
+class StoreGroup:
+    """One group folder of the store (features of one dataset through one tower and one transform)."""
+
+    def __init__(self, store: "FeatureStore", addr: Dict[str, Any]):
+        self.store = store
+        self.address = addr
+        self.digest = _digest(addr)[:40]
+        self.dir = store.root / f"v{VERSION}" / self.digest
+
+    def shard_path(self, ids: Sequence[str]) -> Path:
+        return self.dir / f"{ids_digest(ids)}.safetensors"
+
+    def read(self, ids: Sequence[str]) -> Optional[torch.Tensor]:
+        """The stored features [N, D] of exactly these ids in this order, or None."""
+        from safetensors import safe_open
+
+        path = self.shard_path(ids)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata() or {}
+                x = f.get_tensor("x")
+        except FileNotFoundError:
+            return None
+        except Exception as e:  # a damaged file: encode again and replace it
+            log.warning("feature store: ignoring the damaged file %s (%s)", path, e)
+            return None
+        if json.loads(meta.get("ids", "[]")) != list(ids) or x.shape[0] != len(ids):
+            log.warning("feature store: %s does not hold the images its name says; ignoring it", path)
+            return None
+        try:
+            os.utime(path)  # "last used", for `fewclip cache`
+        except OSError:
+            pass
+        return x
+
+    def write(self, ids: Sequence[str], x: torch.Tensor) -> None:
+        from safetensors.torch import save_file
+
+        from .io import atomic_write, atomic_write_text
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if not (self.dir / ADDRESS_FILE).exists():
+            atomic_write_text(self.dir / ADDRESS_FILE, json.dumps(self.address, indent=2, sort_keys=True) + "\n")
+        meta = {"format": FORMAT, "version": str(VERSION), "ids": json.dumps(list(ids))}
+        atomic_write(self.shard_path(ids),
+                     lambda tmp: save_file({"x": x.contiguous().float().cpu()}, tmp, metadata=meta))
+
+    def acquire(self, ids: Sequence[str]):
+        """The held lock of one request, for encoding it (waiting while another live process holds it); the
+        caller releases it."""
+        from .records import RunLock
+
+        self.dir.mkdir(parents=True, exist_ok=True)
+        lock = RunLock(self.dir, name=f".fewclip.encode.{ids_digest(ids)}.lock")
+        said = False
+        while not lock.try_acquire():
+            if not said:
+                who = lock.blocked_by.describe() if lock.blocked_by else "another process"
+                log.info("feature store: waiting for %s, which is encoding the same images", who)
+                said = True
+            time.sleep(0.2)
+        return lock
+
+
+@dataclass
+class GroupInfo:
+    """What ``fewclip cache`` lists about one group."""
+
+    digest: str
+    path: Path
+    address: Dict[str, Any]
+    requests: int
+    images: int
+    bytes: int
+    last_used: float
+
+    @property
+    def transform(self) -> str:
+        t = self.address.get("transform") or {}
+        if t.get("kind") == "view":
+            return f"view {t.get('index')} seed {t.get('seed')}"
+        return "eval" if t.get("kind") == "eval" else "?"
+
+
+class FeatureStore:
+    """The on-disk feature store under ``root`` (module docstring)."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    def group(self, addr: Dict[str, Any]) -> StoreGroup:
+        return StoreGroup(self, addr)
+
+    def groups(self) -> List[GroupInfo]:
+        """Every group with its size, newest use first."""
+        from safetensors import safe_open
+
+        out = []
+        base = self.root / f"v{VERSION}"
+        if not base.is_dir():
+            return out
+        for d in sorted(p for p in base.iterdir() if p.is_dir()):
+            try:
+                addr = json.loads((d / ADDRESS_FILE).read_text())
+            except (OSError, ValueError):
+                addr = {}
+            requests = images = size = 0
+            last = 0.0
+            for f in d.glob("*.safetensors"):
+                try:
+                    st = f.stat()
+                    with safe_open(str(f), framework="pt") as sf:
+                        images += int(sf.get_slice("x").get_shape()[0])
+                except Exception:
+                    continue
+                requests += 1
+                size += st.st_size
+                last = max(last, st.st_mtime)
+            out.append(GroupInfo(d.name, d, addr, requests, images, size, last))
+        return sorted(out, key=lambda g: -g.last_used)
+
+    def clear(self, backbone: Optional[str] = None, dataset: Optional[str] = None) -> List[GroupInfo]:
+        """Remove every group (or those of ``backbone`` and/or ``dataset``); returns what was removed."""
+        removed = []
+        for g in self.groups():
+            if backbone is not None and g.address.get("backbone") != backbone:
+                continue
+            if dataset is not None and g.address.get("dataset") != dataset:
+                continue
+            shutil.rmtree(g.path, ignore_errors=True)
+            removed.append(g)
+        return removed
