@@ -311,11 +311,10 @@ class RunFeatures:
     def frozen_train(self, view: Optional[View]) -> Features:
         """The training images through the frozen tower (``view`` None: un-augmented), from the cache, whatever
         tower the adapter trains."""
-        out, encoded = self.cache.features(self.backbone, self.dataset, self.split.train, view=view,
-                                           batch_size=self.batch_size, workers=self.workers,
-                                           desc="train (frozen tower)")
-        self.cost.count_images(len(self.split.train), encoded)
-        return out
+        got = self.cache.features(self.backbone, self.dataset, self.split.train, view=view,
+                                  batch_size=self.batch_size, workers=self.workers, desc="train (frozen tower)")
+        self.cost.count_images(len(self.split.train), got.encoded, got.from_store)
+        return got.features
 
     def train_views(self, k: int) -> List[Features]:
         """Views 0 .. k-1 of the training images."""
