@@ -46,19 +46,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from fewclip.errors import InputError
 from fewclip.registry import Registry
+from fewclip.sections import AdapterConfig
 
 TRAINED_BY = ("loop", "fit", None)
 
 
 class AdapterError(InputError):
     """An adapter that cannot be built for these class names or this backbone; the message says what to change."""
-
-
-@dataclass
-class AdapterConfig:
-    """Base of every adapter's config section; ``name`` selects the adapter."""
-
-    name: str = "coop"
 
 
 class Adapter(nn.Module):

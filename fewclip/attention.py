@@ -55,111 +55,11 @@ import warnings
 from open_clip.transformer import VisionTransformer
 from open_clip.transformer import Attention
 
+# The config sections are plain dataclasses in fewclip.sections (no torch: `--help` reads them); re-exported here.
+from .sections import (CLS_MODES, IMPLS, SHAPES, LocalAttentionConfig, TextWindowConfig,  # noqa: F401
+                       VisionWindowConfig, parse_layers)
+
 log = logging.getLogger(__name__)
-
-IMPLS = ("auto", "mask", "flex")
-SHAPES = ("band", "grid")
-CLS_MODES = ("global", "local")
-
-
-# ---------------------------------------------------------------------------
-# config
-# ---------------------------------------------------------------------------
-
-
-@dataclass
-class TextWindowConfig:
-    """``backbone.local_attention.text``: window k (null = global attention) and the layers it applies to."""
-
-    window: Optional[int] = None
-    layers: str = field(default="all", metadata={"help": (
-        '"all", "first:N", "last:N", or a comma list of layer indices ("0,2,-1").')})
-    _tower = "text"
-
-    def __post_init__(self) -> None:
-        key = f"backbone.local_attention.{self._tower}"
-        if self.window is not None and self.window < 0:
-            raise ValueError(f"{key}.window must be >= 0 or null (global attention), got {self.window}")
-        if self.window is None and str(self.layers).strip() != "all":
-            raise ValueError(f"{key}.layers is set but window is null: set {key}.window=K as well")
-        parse_layers(self.layers, None)
-
-
-@dataclass
-class VisionWindowConfig(TextWindowConfig):
-    """``backbone.local_attention.vision``: also the window's shape and the class token's reach."""
-
-    shape: str = field(default="band", metadata={"help": (
-        '"band": |i-j| <= k over the patch sequence; "grid": a (2k+1) x (2k+1) neighbourhood on the patch grid.')})
-    cls: str = field(default="global", metadata={"help": (
-        '"global": the class token sees and is seen by every token; "local": it takes part in the window.')})
-    _tower = "vision"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.shape not in SHAPES:
-            raise ValueError(f"local_attention.vision.shape must be one of {SHAPES}, got {self.shape!r}")
-        if self.cls not in CLS_MODES:
-            raise ValueError(f"local_attention.vision.cls must be one of {CLS_MODES}, got {self.cls!r}")
-
-
-@dataclass
-class LocalAttentionConfig:
-    """``backbone.local_attention``: local-window self-attention in the frozen towers (off by default)."""
-
-    text: TextWindowConfig = field(default_factory=TextWindowConfig)
-    vision: VisionWindowConfig = field(default_factory=VisionWindowConfig)
-    impl: str = field(default="auto", metadata={"help": (
-        '"auto": compiled FlexAttention where its block mask skips at least half the blocks of a sequence of 128+'
-        ' tokens (and, on the CPU, no gradient flows through the attention), additive masks otherwise; "mask" or '
-        '"flex" to force one.')})
-    flex_compile: bool = field(default=True, metadata={"help": (
-        'impl=flex: compile it (true) or run it eagerly (false: every score is computed; for checking).')})
-
-    def __post_init__(self) -> None:
-        if self.impl not in IMPLS:
-            raise ValueError(f"local_attention.impl must be one of {IMPLS}, got {self.impl!r}")
-
-    @property
-    def active(self) -> bool:
-        return self.text.window is not None or self.vision.window is not None
-
-
-def parse_layers(spec: str, n: Optional[int]) -> List[int]:
-    """Layer indices from "all", "first:N", "last:N" or "i,j,..." (negative = from the end).
-    With ``n=None`` only the syntax is checked."""
-    s = str(spec).strip().replace(" ", "")
-    bad = (f"local_attention layers={spec!r}: use 'all', 'first:N', 'last:N' or a comma list of layer "
-           f"indices such as '0,2,-1'")
-    try:
-        if s == "all":
-            out = list(range(n)) if n is not None else []
-        elif s.startswith(("first:", "last:")):
-            k = int(s.split(":", 1)[1])
-            if k < 1:
-                raise ValueError(bad)
-            if n is None:
-                out = []
-            else:
-                k = min(k, n)
-                out = list(range(k)) if s.startswith("first:") else list(range(n - k, n))
-        else:
-            idx = [int(t) for t in s.split(",") if t != ""]
-            if not idx:
-                raise ValueError(bad)
-            out = []
-            if n is not None:
-                for i in idx:
-                    j = i + n if i < 0 else i
-                    if not 0 <= j < n:
-                        raise ValueError(f"local_attention layers={spec!r}: layer {i} does not exist; "
-                                         f"this tower has layers 0..{n - 1}")
-                    out.append(j)
-                out = sorted(set(out))
-    except ValueError as e:
-        raise ValueError(str(e) if "does not exist" in str(e) else bad) from None
-    return out
-
 
 # ---------------------------------------------------------------------------
 # windows: pure functions

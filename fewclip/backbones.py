@@ -45,7 +45,6 @@ import math
 import pickle
 import re
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -55,14 +54,15 @@ import torch.nn as nn
 from fewclip.errors import InputError
 
 from .checksums import sha256_file
-from .attention import LocalAttentionConfig, apply_local_attention
+from .attention import apply_local_attention
+from .sections import (DEVICE_PATTERN, PRECISIONS, BackboneConfig, LocalAttentionConfig,  # noqa: F401  (re-exported)
+                       backbone_config_from_dict)
 from .fingerprints import identify
 from .geometry import (GEOMETRIES, GEOMETRY_ALIASES, REQUIRED_GEOMETRY_PARAMS, UNSUPPORTED_GEOMETRIES, Geometry,  # noqa: F401
                        canonical_geometry, geometry_of_open_clip, geometry_params, make_geometry)
 from .logs import quiet_open_clip
 from .preprocess import OPENAI_MEAN, OPENAI_STD, PreprocessConfig, PreprocessError, disagreeing_tags
 from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
 from .torchscript import TorchScriptError, archive_prefix, read_torchscript_state_dict
 import json
 from open_clip.factory import convert_state_dict, get_model_config
@@ -76,50 +76,8 @@ from .tokenizer import WordTokenizer
 log = logging.getLogger(__name__)
 
 REFERENCE_DIR = Path(__file__).resolve().parent / "reference"
-PRECISIONS = ("fp32", "bf16", "fp16")
-DEVICE_PATTERN = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
-
-
 class BackboneError(InputError):
     """A backbone that cannot be resolved or loaded; the message says what to do."""
-
-
-@dataclass
-class BackboneConfig:
-    """The ``backbone`` section of a run config."""
-
-    name: str = field(default="toy-clip", metadata={"help": (
-        'A card path, a shipped card name, or an open_clip architecture name.')})
-    pretrained: Optional[str] = field(default=None, metadata={"help": (
-        'For open_clip architectures: a pretrained tag, a local checkpoint file, or "none" (random init).')})
-    geometry: Optional[str] = field(default=None, metadata={"help": (
-        'Geometry override for open_clip architectures (default: clip, or sigmoid when the model has a logit '
-        'bias).')})
-    precision: str = "fp32"
-    device: str = field(default="auto", metadata={"help": '"auto" picks CUDA when available, else the CPU.'})
-    cache_dir: Optional[str] = None
-    tokenizer: Optional[str] = field(default=None, metadata={"help": (
-        'A local folder holding the Hugging Face tokenizer that the model names (SigLIP and other open_clip '
-        'models with text_cfg.hf_tokenizer_name). Unset: only the local Hugging Face cache is searched, never the'
-        ' hub.')})
-    local_attention: LocalAttentionConfig = field(default_factory=LocalAttentionConfig, metadata={"help": (
-        'Local-window self-attention in the frozen towers (fewclip.attention), e.g. '
-        'local_attention.text.window=8.')})
-
-    def __post_init__(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"backbone.precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if not DEVICE_PATTERN.fullmatch(self.device):
-            raise ValueError(f"backbone.device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
-
-
-def backbone_config_from_dict(d: Dict[str, Any]) -> BackboneConfig:
-    """A ``BackboneConfig`` from a plain dict (nested sections included), checked like a config file."""
-
-    try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(BackboneConfig), d))
-    except OmegaConfBaseException as e:
-        raise ValueError(str(e).splitlines()[0]) from None
 
 
 def resolve_device(device: str) -> torch.device:

@@ -32,6 +32,9 @@ COMMAND_HELP = {
 # Commands whose options live in a light dataclass: their --help lists them without loading the commands.
 LIGHT_OPTIONS = {"report": ("fewclip.report_options", "ReportOptions")}
 
+# Commands whose --help prints a run config: fewclip.quickhelp composes it without torch where it can.
+QUICK_HELP = ("train", "zeroshot", "sweep", "features")
+
 COMMAND_NAMES = ("backbones", "datasets", "adapters", "zeroshot", "train", "sweep", "report", "export", "predict",
                  "import", "cache", "features")
 
@@ -53,9 +56,6 @@ commands:
                (CoOp: one prompt file; LoRA: a peft folder, fewclip export runs/lora [merge=true];
                the other methods: one adapter file, fewclip export runs/tip -o tip.safetensors)
   predict      classify images with an export: fewclip predict prompts=prompts.safetensors a.jpg
-  features     a feature file from a dataset and a backbone, for methods on features:
-               fewclip features backbone=toy-clip data=toy-colours out=colours.safetensors [views=20], then
-               fewclip train adapter=tip_adapter_f data=features data.path=colours.safetensors
   features     a feature file from a dataset and a backbone, for methods on features:
                fewclip features backbone=toy-clip data=toy-colours out=colours.safetensors [views=20], then
                fewclip train adapter=tip_adapter_f data=features data.path=colours.safetensors
@@ -91,6 +91,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("\noptions (key=value; defaults shown):\n" + "\n".join("  " + line for line in lines))
         return 0
     try:
+        if ("--help" in args or "-h" in args) and command in QUICK_HELP:  # a run config's options, torch-free
+            lines = importlib.import_module("fewclip.quickhelp").help_lines(command, args)
+            if lines is not None:
+                print("\n".join(lines))
+                return 0
         # The commands import torch and open_clip (seconds): loaded here, so `fewclip --help` does not pay it.
         commands = importlib.import_module("fewclip.commands")
         return commands.run(command, args)

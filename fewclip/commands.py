@@ -19,10 +19,11 @@ from .config import ConfigError, RunConfig, compose, describe_config, load_confi
 from .data import DATASETS, dataset_name
 from .evals import describe_evals
 from .export import export_run, load_prompts
-from .feature_cli import FeaturesConfig
+from .config import FeaturesConfig
 from .feature_cli import cmd_features as features_command
 from .features import FeatureCache
 from .importer import formats_usage, import_from_args
+from .quickhelp import HEADER
 from .logs import setup_logging  # fewclip's lines at the chosen level, other libraries' from WARNING up
 from .records import prepare_dir
 from .report import NoRunsFoundError, write_report
@@ -376,7 +377,7 @@ def run(command: str, args: Sequence[str]) -> int:
         if schema is None:
             print(COMMAND_HELP.get(command) or f"fewclip {command}: no options")
             return 0
-        print(f"fewclip {command} options (key=value; defaults shown, `# ...` says what each does):\n")
+        print(HEADER.format(command=command))
         print("\n".join(describe_config(schema(args))))
         return 0
     setup_logging("info")

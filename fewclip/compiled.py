@@ -29,9 +29,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .sections import COMPILE_MODES  # noqa: F401  (re-exported)
+
 log = logging.getLogger(__name__)
 
-COMPILE_MODES = ("auto", "on", "off")
 COMPILE_WORTH_S = 60.0  # auto: compile only when the run's eager steps take at least this long
 TIMED_STEPS = 3
 BACKEND = "inductor"  # torch.compile's backend (a test may use "aot_eager": the same capture, no code generation)

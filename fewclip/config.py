@@ -18,13 +18,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, List, Optional, Sequence, Tuple, Type
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fewclip.errors import InputError
-from .backbones import BackboneConfig
+from .sections import AdapterConfig, BackboneConfig, TrainConfig
 from fewclip.data import DataConfig
 from fewclip.protocols import PROTOCOLS, TRANSFER_PROTOCOLS, default_targets
 import yaml
@@ -86,6 +86,45 @@ class RunConfig:
                 raise ValueError(f"{e}: targets=[NAME,...]") from None
         elif self.data.name in self.targets or len(set(self.targets)) != len(self.targets):
             raise ValueError(f"targets={self.targets} must be distinct and differ from data.name={self.data.name!r}")
+
+
+@dataclass
+class TrainRunFields(RunConfig):
+    """The fields of a training run's config. ``fewclip.run.TrainRunConfig`` adds the checks that need the method
+    registry; this one is torch-free, so ``fewclip train --help`` composes it without loading a method."""
+
+    shots: int = 16
+    adapter: AdapterConfig = field(default_factory=AdapterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+@dataclass
+class FeaturesConfig:
+    backbone: BackboneConfig = field(default_factory=BackboneConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    # The feature file to write (.safetensors).
+    out: Optional[str] = None
+    # Augmented views of the training images to store (0: none; Tip-Adapter uses 10, Tip-Adapter-F and CLAP 20).
+    views: int = 0
+    # The run seed the views are drawn for (view k of an image is the same pixels as in a run of this seed).
+    seed: int = 1
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.views < 0:
+            raise ValueError(f"views must be >= 0, got {self.views}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+
+
+def compose_train_config(args: Sequence[str], schema: Type, adapter: AdapterConfig, train_defaults: Dict[str, Any],
+                         trains: bool):
+    """A train config (``schema``: ``TrainRunFields`` or a subclass) from the arguments: ``adapter`` is the method's
+    section with its defaults, ``train_defaults`` its own ``train`` values, and a method that trains on no images
+    (``trains`` false) runs at 0 shots."""
+    base = OmegaConf.structured(schema(adapter=adapter, train=TrainConfig(**train_defaults),
+                                       shots=16 if trains else 0))
+    return to_object(compose(schema, args, base=base))
 
 
 def packaged_config_dirs() -> List[Path]:

@@ -39,89 +39,23 @@ import logging
 import math
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .compiled import COMPILE_MODES, StepTuner
+from .compiled import StepTuner
 from .cost import RunCost
 from .features import Augment, FeatureCache, Features, View, accuracy, extract_features, progress
 from .records import NonFiniteError
 from .rng import forked_global_rng
+from .sections import AMP_MODES, OPTIMIZERS, TrainConfig  # noqa: F401  (re-exported: the train section)
 
 log = logging.getLogger(__name__)
 
 COOP_EPOCHS = {1: 50, 2: 100, 4: 100, 8: 200, 16: 200}
 # sgd: momentum and weight decay; adam: L2 weight decay added to the gradient (torch.optim.Adam, as Dassl's
 # "adam"); adamw: decoupled weight decay.
-OPTIMIZERS = ("sgd", "adam", "adamw")
-AMP_MODES = ("auto", "bf16", "fp16", "none")
-
-
-@dataclass
-class TrainConfig:
-    """The ``train`` section: optimisation and feature caching."""
-
-    optimizer: str = "sgd"
-    lr: float = 0.002
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
-    eps: float = field(default=1e-8, metadata={"help": "Adam's and AdamW's epsilon (train.optimizer=adam|adamw)."})
-    epochs: Optional[int] = field(default=None, metadata={"help": (
-        "null = CoOp's schedule by shots (50/100/100/200/200 for 1/2/4/8/16).")})
-    iterations: Optional[int] = field(default=None, metadata={"help": (
-        'A number of optimiser steps instead of epochs: `iterations` in total, or `iterations_per_shot` x shots '
-        '(CLIP-LoRA: 500 x shots). The first one set wins over `epochs`.')})
-    iterations_per_shot: Optional[int] = None
-    warmup_epochs: int = 1
-    warmup_lr: float = 1e-5
-    batch_size: int = 32
-    augment_views: int = field(default=8, metadata={"help": (
-        'Cached augmented views of the training images; 0 = encode every step (faithful, slow).')})
-    augment: bool = field(default=True, metadata={"help": (
-        'false: train on the un-augmented training features (no crops or flips).')})
-    crop_scale_min: Optional[float] = field(default=None, metadata={"help": (
-        "RandomResizedCrop's smallest area fraction; null = the dataset's recommendation (0.08 for photos).")})
-    select: str = field(default="last", metadata={"help": (
-        '"last": the last epoch\'s model (CoOp); "val": the epoch with the best few-shot validation accuracy.')})
-    amp: str = field(default="auto", metadata={"help": (
-        'Autocast: "auto" (bf16 on CUDA, none elsewhere), "bf16" or "fp16" (on any device, the CPU\'s autocast '
-        'included), or "none".')})
-    compile: str = field(default="auto", metadata={"help": (
-        'The prompt methods\' text step compiled and the optimiser fused: "auto" (measured on the run\'s first '
-        'steps, fewclip.compiled), "on" or "off".')})
-
-    def __post_init__(self) -> None:
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
-        if self.select not in ("last", "val"):
-            raise ValueError(f"train.select must be 'last' or 'val', got {self.select!r}")
-        if self.amp not in AMP_MODES:
-            raise ValueError(f"train.amp must be one of {', '.join(AMP_MODES)}, got {self.amp!r}")
-        if self.compile not in COMPILE_MODES:
-            raise ValueError(f"train.compile must be one of {', '.join(COMPILE_MODES)}, got {self.compile!r}")
-        if self.augment_views < 0:
-            raise ValueError(f"train.augment_views must be >= 0, got {self.augment_views}")
-        if self.batch_size < 1:
-            raise ValueError(f"train.batch_size must be >= 1, got {self.batch_size}")
-        if self.epochs is not None and self.epochs < 1:
-            raise ValueError(f"train.epochs must be >= 1 or null, got {self.epochs}")
-        for key in ("iterations", "iterations_per_shot"):
-            v = getattr(self, key)
-            if v is not None and v < 1:
-                raise ValueError(f"train.{key} must be >= 1 or null, got {v}")
-        for key in ("lr", "momentum", "weight_decay", "warmup_lr"):
-            if not math.isfinite(getattr(self, key)):
-                raise ValueError(f"train.{key} must be a finite number, got {getattr(self, key)}")
-        if self.lr <= 0:
-            raise ValueError(f"train.lr must be > 0, got {self.lr}")
-        if self.eps <= 0:
-            raise ValueError(f"train.eps must be > 0, got {self.eps}")
-        if self.crop_scale_min is not None and not 0 < self.crop_scale_min <= 1:
-            raise ValueError(f"train.crop_scale_min must be in (0, 1], got {self.crop_scale_min}")
-
-
 def epochs_for(cfg: TrainConfig, shots: int) -> int:
     if cfg.epochs is not None:
         return cfg.epochs

@@ -13,42 +13,22 @@ trip); a run of another seed uses the file's views as they are. Features come th
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 from omegaconf import OmegaConf
 
-from .data import DataConfig, build_dataset
+from .data import build_dataset
 from .feature_file import write_feature_file
 
-from .backbones import BackboneConfig, load_backbone
-from .config import ConfigError, load_config
+from .backbones import load_backbone
+from .config import ConfigError, FeaturesConfig, load_config  # noqa: F401  (FeaturesConfig re-exported)
 from .features import Augment, FeatureCache, View, class_text_features
 from .store import open_store
 from .splits import test_items
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class FeaturesConfig:
-    backbone: BackboneConfig = field(default_factory=BackboneConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    # The feature file to write (.safetensors).
-    out: Optional[str] = None
-    # Augmented views of the training images to store (0: none; Tip-Adapter uses 10, Tip-Adapter-F and CLAP 20).
-    views: int = 0
-    # The run seed the views are drawn for (view k of an image is the same pixels as in a run of this seed).
-    seed: int = 1
-    log_level: str = "info"
-
-    def __post_init__(self) -> None:
-        if self.views < 0:
-            raise ValueError(f"views must be >= 0, got {self.views}")
-        if self.seed < 0:
-            raise ValueError(f"seed must be >= 0, got {self.seed}")
 
 
 def write_features(cfg: FeaturesConfig, cache: Optional[FeatureCache] = None) -> Path:

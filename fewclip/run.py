@@ -26,17 +26,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Dict, Optional, Sequence, Tuple
 
 import torch
-from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from .adapter import AdapterConfig, adapter_info, build_adapter
 from .backbones import Backbone, BackboneConfig, load_backbone
-from .config import ConfigError, RunConfig, compose, section_name_of, to_object, to_yaml
+from .config import ConfigError, RunConfig, TrainRunFields, compose_train_config, section_name_of, to_yaml
 from .cost import RunCost
 from .data import DataConfig, Dataset, build_dataset
 from .engine import RunFeatures, TrainConfig, evaluate, fit_adapter
@@ -52,10 +51,8 @@ from .splits import TEST_SUBSET_SEED, FewShotSplit, make_few_shot_split, test_it
 log = logging.getLogger(__name__)
 
 @dataclass
-class TrainRunConfig(RunConfig):
-    shots: int = 16
-    adapter: AdapterConfig = field(default_factory=AdapterConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+class TrainRunConfig(TrainRunFields):
+    """A training run's config (fields in ``fewclip.config.TrainRunFields``), checked against its method."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -78,10 +75,8 @@ def load_train_config(args: Sequence[str]) -> TrainRunConfig:
         info = adapter_info(name)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    train = TrainConfig(**getattr(info.adapter_cls, "train_defaults", {}))
-    shots = 16 if info.trains else 0
-    base = OmegaConf.structured(TrainRunConfig(adapter=info.config_cls(), train=train, shots=shots))
-    return to_object(compose(TrainRunConfig, args, base=base))
+    return compose_train_config(args, TrainRunConfig, info.config_cls(),
+                                getattr(info.adapter_cls, "train_defaults", {}), info.trains)
 
 
 def as_train_config(cfg: RunConfig, adapter: AdapterConfig, shots: int = 0) -> TrainRunConfig:

@@ -11,104 +11,37 @@ from __future__ import annotations
 import logging
 import re
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from omegaconf import OmegaConf
 
 from .adapter import adapter_info
-from .config import ConfigError, compose, section_name_of, to_object, to_yaml
+from .config import ConfigError, section_name_of, to_yaml
 from .dataset_entries import sweep_datasets
 from .errors import FewclipError
 from .io import atomic_write_text
-from .launch import LAUNCHERS, LauncherConfig, LocalConfig, check_launcher, launch
+from .launch import LAUNCHERS, check_launcher, launch
 from .launch.worker import RunSpec, WorkerContext
 from .locks import RunLock
 from .progress import progress
-from .protocols import PROTOCOLS, TRANSFER_PROTOCOLS
 from .records import Identity, RunState, prepare_dir, remove_leftovers, run_state, tidy
 from .run import adapter_name_of, few_shot_split, load_train_config, run_identity_of
 from .store import store_setting
+from .sweep_config import SweepConfig, SweepSpec, compose_sweep_config  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 
 SWEEP_LOCK_FILE = ".fewclip.sweep.lock"
 
 
-@dataclass
-class SweepSpec:
-    backbones: List[str] = field(default_factory=lambda: ["toy-clip"])
-    datasets: List[Any] = field(default_factory=lambda: ["toy-shapes"], metadata={"help": (
-        "Each a registered dataset's name, a mapping of data keys ({name: folder, root: /data/pets}, named \"pets\" "
-        "after its folder; {name: cars, reader: folder, root: PATH, templates: single}) or a YAML piece with a "
-        "`data:` section (fewclip.dataset_entries). Runs, tables and folders know each by its dataset's name.")})
-    methods: List[str] = field(default_factory=lambda: ["zeroshot", "coop"], metadata={"help": (
-        'A registered adapter name ("zeroshot", "coop", ...) or a label defined in `variants`.')})
-    shots: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
-    seeds: List[int] = field(default_factory=lambda: [1, 2, 3])
-    args: List[str] = field(default_factory=list, metadata={"help": (
-        'key=value overrides applied to every run (e.g. train.epochs=10, data.max_test=400).')})
-    variants: Dict[str, List[str]] = field(default_factory=dict, metadata={"help": (
-        'Named method variants: label -> key=value list including adapter=NAME, e.g. coop_n4: [adapter=coop, '
-        'adapter.n_ctx=4] zeroshot_single: [adapter=zeroshot, data.templates=single] An adapter that trains on '
-        'nothing (zeroshot) runs once per backbone and dataset, at 0 shots.')})
-    backbone_args: Dict[str, List[str]] = field(default_factory=dict, metadata={"help": (
-        "key=value overrides per backbone (e.g. for an open_clip backbone's pretrained tag).")})
-    protocol: str = field(default="fewshot", metadata={"help": (
-        'The generalisation protocol of every run (fewclip.protocols): fewshot, base2new (`datasets` are split '
-        'into base and new classes), cross_dataset or domain_shift (`datasets` are the sources). Runs of a '
-        'protocol other than fewshot go under OUT/<protocol>/, so one out directory can hold several protocols.')})
-    targets: Dict[str, List[str]] = field(default_factory=dict, metadata={"help": (
-        'cross_dataset / domain_shift: the targets of each source ({toy-shapes: [toy-sketch, toy-shapes-faded]});'
-        " a source left out gets the protocol's default targets (fewclip.protocols.default_targets).")})
-
-    def __post_init__(self) -> None:
-        if self.protocol not in PROTOCOLS:
-            raise ValueError(f"sweep.protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
-        if self.targets and self.protocol not in TRANSFER_PROTOCOLS:
-            raise ValueError(f"sweep.targets apply to protocol cross_dataset or domain_shift only, not "
-                             f"{self.protocol!r}; remove them")
-        names = [d.name for d in sweep_datasets(self.datasets, self.args)]
-        unknown = sorted(set(self.targets) - set(names))
-        if unknown:
-            raise ValueError(f"sweep.targets names source(s) {', '.join(unknown)} that are not in sweep.datasets "
-                             f"({', '.join(names)}); the keys of sweep.targets are source datasets")
-
-
-@dataclass
-class SweepConfig:
-    sweep: SweepSpec = field(default_factory=SweepSpec)
-    out: Optional[str] = None
-    log_level: str = "info"
-    report: bool = field(default=True, metadata={"help": 'Print the report at the end (fewclip report OUT).'})
-    lock_timeout_s: Optional[float] = field(default=None, metadata={"help": (
-        "Seconds without a heartbeat after which another host's run lock counts as abandoned (null: the "
-        'FEWCLIP_LOCK_TIMEOUT_S environment variable, else 600). Locks of this host are judged by their pid.')})
-    launcher: LauncherConfig = field(default_factory=LocalConfig, metadata={"help": (
-        'Where the runs execute (fewclip.launch): launcher=local (launcher.workers=N processes), ray or slurm.')})
-    feature_store: Optional[str] = field(default=None, metadata={"help": (
-        'The on-disk feature store shared by runs, workers and sweeps (fewclip.store): a folder, or "off"; null: '
-        'the FEWCLIP_CACHE environment variable, else ~/.cache/fewclip/features.')})
-
-    def __post_init__(self) -> None:
-        if self.lock_timeout_s is not None and not 0 < self.lock_timeout_s < float("inf"):
-            raise ValueError(f"lock_timeout_s must be a number of seconds > 0 or null, got {self.lock_timeout_s}")
-
-
 def load_sweep_config(args: Sequence[str]) -> SweepConfig:
-    """Compose a sweep config. ``sweep.variants`` and ``sweep.backbone_args`` are maps whose keys the user
-    chooses (method labels, backbone names), so they accept new keys; everything else stays in struct mode,
-    and each run's own arguments are checked by ``run_sweep`` before the first run starts."""
+    """Compose a sweep config (``fewclip.sweep_config``) with the launcher's section the arguments name; each
+    run's own arguments are checked by ``run_sweep`` before the first run starts."""
     name = section_name_of(args, "launcher", "local")
     if name not in LAUNCHERS:
         raise ConfigError(LAUNCHERS.unknown(name))
-    base = OmegaConf.structured(SweepConfig(launcher=LAUNCHERS.get(name).config_cls()))
-    open_maps = [base.sweep.variants, base.sweep.backbone_args, base.sweep.targets]
-    open_maps += [base.launcher.sbatch] if "sbatch" in base.launcher else []
-    for node in open_maps:
-        OmegaConf.set_struct(node, False)  # values keep their type (a list of strings)
-    return to_object(compose(SweepConfig, args, base=base))
+    return compose_sweep_config(args, LAUNCHERS.get(name).config_cls)
 
 
 def _safe(name: str) -> str:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import importlib
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Type
 from fewclip.errors import InputError
 from fewclip.registry import Registry
+from fewclip.sections import LauncherConfig, _positive  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -17,14 +18,6 @@ EXTRAS = {"ray": ("ray", "ray"), "slurm": ("submitit", "slurm")}  # launcher -> 
 
 class LauncherError(InputError):
     """A launcher that cannot start (a missing optional dependency, no SLURM here); the message says what to do."""
-
-
-@dataclass
-class LauncherConfig:
-    """The ``launcher`` section of a sweep config: each launcher has its own subclass (``launcher=ray`` picks
-    ``RayConfig``), registered with the launcher."""
-
-    name: str = field(default="local", metadata={"help": "where the runs execute: local, ray or slurm"})
 
 
 @dataclass(frozen=True)
@@ -47,12 +40,6 @@ LAUNCHERS: Registry[Launcher] = Registry("launcher", "fewclip.launchers", key="l
 
 def register_launcher(launcher: Launcher) -> Launcher:
     return LAUNCHERS.register(launcher.name, launcher, source=getattr(launcher.config_cls, "__module__", None))
-
-
-def _positive(cfg, keys, low: float = 1) -> None:
-    for key in keys:
-        if getattr(cfg, key) < low:
-            raise ValueError(f"launcher.{key} must be >= {low:g}, got {getattr(cfg, key)}")
 
 
 def require_extra(launcher: str):

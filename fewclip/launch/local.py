@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Deque, List, Optional, Tuple
 
 import torch
@@ -23,22 +23,10 @@ from .worker import RunResult, RunSpec, WorkerContext, execute_run, worker_setup
 import multiprocessing as mp
 from multiprocessing.connection import wait
 
-from .base import Launcher, LauncherConfig, _positive, register_launcher
+from .base import Launcher, register_launcher
+from fewclip.sections import LocalConfig
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class LocalConfig(LauncherConfig):
-    """``launcher=local``: this process, or worker processes on this machine."""
-
-    name: str = "local"
-    workers: int = field(default=1, metadata={"help": (
-        "worker processes (1: the runs execute in the launching process, one after another); with GPUs, worker i "
-        "uses GPU i modulo their number, without, the CPU threads are split between workers")})
-
-    def __post_init__(self) -> None:
-        _positive(self, ("workers",))
 
 
 def describe_local(cfg: LocalConfig) -> str:

@@ -12,45 +12,16 @@ filesystem. Worker output goes to each run's ``run.log``, not to the launching t
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass, field
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
-from .base import Launcher, LauncherConfig, LauncherError, _positive, gpus_for, register_launcher, require_extra
+from .base import Launcher, LauncherError, gpus_for, register_launcher, require_extra
+from fewclip.sections import RayConfig
 from .progress import SweepProgress
 from .worker import RunResult, RunSpec, execute_run, worker_setup
 
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RayConfig(LauncherConfig):
-    """``launcher=ray``: each run a Ray task (``pip install "fewclip[ray]"``)."""
-
-    name: str = "ray"
-    address: Optional[str] = field(default=None, metadata={"help": (
-        '"auto" (the running cluster), a cluster address (ray://host:10001 or host:6379), or null: start a local '
-        "cluster for this sweep, with `cpus` CPUs")})
-    cpus: Optional[int] = field(default=None, metadata={"help": "CPUs of a local cluster started for the sweep (null: all)"})
-    cpus_per_run: float = field(default=1.0, metadata={"help": "CPUs of one run"})
-    gpus_per_run: float = field(default=0.0, metadata={"help": (
-        "GPUs of one run; a fraction shares a GPU (0.25: four runs on cached features), rounded up to whole GPUs "
-        "for a method that trains the image tower")})
-    max_retries: int = field(default=0, metadata={"help": (
-        "times a run is retried when its worker dies (0: it is listed as failed, and the next sweep reruns it)")})
-
-    def __post_init__(self) -> None:
-        if self.cpus is not None and self.cpus < 1:
-            raise ValueError(f"launcher.cpus must be >= 1 or null (all), got {self.cpus}")
-        if not self.cpus_per_run > 0 or not math.isfinite(self.cpus_per_run):
-            raise ValueError(f"launcher.cpus_per_run must be > 0, got {self.cpus_per_run}")
-        if not self.gpus_per_run >= 0 or not math.isfinite(self.gpus_per_run):
-            raise ValueError(f"launcher.gpus_per_run must be >= 0 (a fraction shares a GPU), got {self.gpus_per_run}")
-        if self.gpus_per_run > 1 and self.gpus_per_run != int(self.gpus_per_run):
-            raise ValueError(f"launcher.gpus_per_run above 1 must be a whole number, got {self.gpus_per_run}")
-        _positive(self, ("max_retries",), 0)
 
 
 def describe_ray(cfg: RayConfig) -> str:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, field
 import shlex
 import subprocess
 import sys
@@ -30,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Set
 
-from .base import Launcher, LauncherConfig, LauncherError, _positive, register_launcher, require_extra
+from .base import Launcher, LauncherError, register_launcher, require_extra
+from fewclip.sections import SlurmConfig
 from .progress import Outcome, SweepProgress
 from .worker import RunResult, RunSpec, run_many
 from fewclip.records import run_state
@@ -38,42 +38,6 @@ from .local import cpu_count
 
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class SlurmConfig(LauncherConfig):
-    """``launcher=slurm``: SLURM job arrays through submitit (``pip install "fewclip[slurm]"``)."""
-
-    name: str = "slurm"
-    partition: Optional[str] = field(default=None, metadata={"help": "sbatch --partition of each array task"})
-    gpus_per_task: int = field(default=1, metadata={"help": "GPUs of each array task"})
-    cpus_per_task: int = field(default=4, metadata={"help": "CPUs of each array task"})
-    mem_gb: int = field(default=32, metadata={"help": "memory of each array task, GB"})
-    time_min: int = field(default=60, metadata={"help": "time limit of each array task, minutes"})
-    array_parallelism: int = field(default=32, metadata={"help": "array tasks running at once (sbatch --array=0-N%P)"})
-    runs_per_task: int = field(default=1, metadata={"help": (
-        "runs executed one after another per array task (more than 1 loads the backbone once for several runs; "
-        "time_min must cover them all)")})
-    account: Optional[str] = field(default=None, metadata={"help": "sbatch --account"})
-    qos: Optional[str] = field(default=None, metadata={"help": "sbatch --qos"})
-    constraint: Optional[str] = field(default=None, metadata={"help": "sbatch --constraint"})
-    job_name: str = field(default="fewclip", metadata={"help": "sbatch --job-name"})
-    setup: List[str] = field(default_factory=list, metadata={"help": (
-        "shell lines run before the task (module load ..., source venv/bin/activate)")})
-    sbatch: Dict[str, str] = field(default_factory=dict, metadata={"help": (
-        "any other sbatch option as name: value (e.g. {exclude: node12})")})
-    folder: Optional[str] = field(default=None, metadata={"help": (
-        "submitit's folder (job scripts, pickles, task logs); null: OUT/.submitit")})
-    cluster: str = field(default="slurm", metadata={"help": (
-        '"slurm" submits with sbatch; "local" runs the same array tasks as processes on this machine')})
-    dry_run: bool = field(default=False, metadata={"help": (
-        "print the sbatch script and the runs of each array task; submit nothing")})
-
-    def __post_init__(self) -> None:
-        _positive(self, ("gpus_per_task",), 0)
-        _positive(self, ("cpus_per_task", "mem_gb", "time_min", "array_parallelism", "runs_per_task"))
-        if self.cluster not in ("slurm", "local"):
-            raise ValueError(f"launcher.cluster must be 'slurm' or 'local', got {self.cluster!r}")
 
 
 def describe_slurm(cfg: SlurmConfig) -> str:
