@@ -10,7 +10,6 @@ import select
 import shutil
 import subprocess
 from html.parser import HTMLParser
-from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -200,7 +199,7 @@ def test_page_holds_every_table_figure_and_setting(runs, tmp_path):
     assert "t(0.975, n-1) * std / sqrt(n)" in page
     config = next(t for t in got.tables if t["id"].startswith("table-config-"))
     values = dict(map(tuple, config["rows"]))
-    assert values["seed"] == "varies: 1, 2, 3" and values["shots"] == "16"
+    assert values["seed"] == "3 values: 1, 2, 3" and values["shots"] == "16"
     assert values["adapter.note"] == "<script>alert(1)</script>"
     assert "3 runs; 2 without a readable config.yaml" in config["caption"]
 
@@ -209,8 +208,11 @@ def test_new_tables_appear_without_a_change_here(tmp_path):
     """Whatever table report.md gains (published results, presets...) is on the page, captioned by its heading."""
     md = ("# fewclip report\n\n## Published results\n\nSome words.\n\n"
           "| Method | Published | Gap (SE) |\n|---|---:|---:|\n| CoOp | 71.92 | -0.4 |\n| a \\| b | 1.00 | 2 |\n\n"
-          "| Second | table |\n|---|---|\n| x | y |\n")
-    got = read_tables(render_html(md, tmp_path, runs=[]))
+          "| Second | table |\n|---|---|\n| x | y |\n\nSource: [CoOp](https://example.org/coop), [notes](notes.md).\n")
+    page = render_html(md, tmp_path, runs=[])
+    got = read_tables(page)
+    # A link off the page is shown as text, never followed; a file beside the report stays a link.
+    assert "<p>Source: CoOp (https://example.org/coop), <a href=\"notes.md\">notes</a>.</p>" in page
     assert [(t["id"], t["caption"]) for t in got.tables[:2]] == [
         ("table-published-results", "Published results"), ("table-published-results-table-2", "Published results"
                                                             " (table 2)")]

@@ -71,6 +71,7 @@ _RULE = re.compile(r"^\|(\s*:?-+:?\s*\|)+\s*$")
 _IMAGE = re.compile(r"^!\[([^\]]*)\]\(([^)\s]+)\)$")
 _INLINE = re.compile(r"`([^`]*)`|\*\*(.+?)\*\*|\[([^\]]+)\]\(([^)\s]+)\)")
 _CELL_SPLIT = re.compile(r"(?<!\\)\|")
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
 
 def inline(text: str) -> str:
@@ -83,6 +84,8 @@ def inline(text: str) -> str:
             out.append(f"<code>{esc(code)}</code>")
         elif bold is not None:
             out.append(f"<strong>{inline(bold)}</strong>")
+        elif _SCHEME.match(target):  # not a file beside the report: shown, never a link the page follows
+            out.append(f"{inline(label)} ({esc(target)})")
         else:
             out.append(f'<a href="{esc(target)}">{inline(label)}</a>')
         pos = m.end()
@@ -217,9 +220,16 @@ def markdown_html(markdown: str, out_dir: Path, ids: _Ids) -> tuple[list[str], l
     return out, toc
 
 
+def _natural(value: Any) -> tuple:
+    """Numbers in numeric order, before text in text order ("2" before "16")."""
+    try:
+        return (0, float(value), "")
+    except (TypeError, ValueError):
+        return (1, 0.0, str(value))
+
+
 def _values(values: Iterable[Any]) -> str:
-    shown = sorted(set(values), key=lambda v: (isinstance(v, str), v))
-    return ", ".join(map(str, shown))
+    return ", ".join(map(str, sorted(set(values), key=_natural)))
 
 
 def _flatten(obj: Any, prefix: str = "") -> dict[str, str]:
@@ -276,11 +286,12 @@ def settings_html(runs: Sequence[RunResult], conventions: dict | None, ids: _Ids
             continue
         rows, varying = [], []
         for k in dict.fromkeys(k for c in configs for k in c):
-            distinct = list(dict.fromkeys(c.get(k, "(absent)") for c in configs))
+            distinct = sorted(set(c.get(k, "(absent)") for c in configs), key=_natural)
             if len(distinct) > 1:
                 varying.append(k)
                 more = len(distinct) - _SHOWN_VALUES
-                rows.append([_code(k), "varies: " + ", ".join(map(_code, distinct[:_SHOWN_VALUES]))
+                rows.append([_code(k), f"{len(distinct)} values: "
+                             + ", ".join(map(_code, distinct[:_SHOWN_VALUES]))
                              + (f" … ({more} more)" if more > 0 else "")])
             else:
                 rows.append([_code(k), _code(distinct[0])])
