@@ -118,8 +118,9 @@ def check_tables_against_csv(tables, rows, markdown):
     assert sum(len(rows) + 2 for *_, rows in md_tables) == sum(line.startswith("|") for line in markdown.splitlines())
     page = {t["id"]: t for t in tables}
     assert len(page) == len(tables), "table ids are unique"
-    from_md = [t for t in tables if not t["id"].startswith(("table-runs", "table-config-"))]
-    assert len(from_md) == len(md_tables) >= 4
+    from_md, settings = tables[:len(md_tables)], tables[len(md_tables):]  # the settings' tables come last
+    assert len(md_tables) >= 4 and [t["id"] for t in settings][:1] == ["table-runs"]
+    assert all(t["id"].startswith("table-config-") for t in settings[1:])
     for t, (_, headers, _, md_rows) in zip(from_md, md_tables):
         assert t["caption"].strip() and t["id"].startswith("table-")
         assert len(t["headers"]) == len(headers) and len(t["rows"]) == len(md_rows)

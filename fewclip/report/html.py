@@ -69,7 +69,7 @@ def esc(text: Any) -> str:
 # The subset of Markdown the report writes
 
 
-_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+_HEADING = re.compile(r"^(#{1,6})\s+(.*?)(?:\s+#+)?\s*$")
 _RULE = re.compile(r"^\|(\s*:?-+:?\s*\|)+\s*$")
 _IMAGE = re.compile(r"^!\[([^\]]*)\]\(([^)\s]+)\)$")
 _INLINE = re.compile(r"`([^`]*)`|\*\*(.+?)\*\*|\[([^\]]+)\]\(([^)\s]+)\)")
