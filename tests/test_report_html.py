@@ -96,6 +96,23 @@ class Tables(HTMLParser):
             self.tables[-1]["caption"] += data
 
 
+class Nesting(HTMLParser):
+    """Every element closed, in order (void elements aside)."""
+
+    VOID = {"meta", "img", "br", "hr", "link", "input"}
+
+    def __init__(self):
+        super().__init__()
+        self.stack = []
+
+    def handle_starttag(self, tag, attrs):
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        assert self.stack and self.stack.pop() == tag, f"</{tag}> closes {self.stack[-1:]}"
+
+
 def read_tables(page: str) -> Tables:
     parser = Tables()
     parser.feed(page)
@@ -152,6 +169,9 @@ def check_tables_against_csv(tables, rows, markdown):
 
 
 def check_self_contained(page: str):
+    nesting = Nesting()
+    nesting.feed(page)
+    assert nesting.stack == [] and page.startswith("<!DOCTYPE html>")
     assert not re.search(r"https?:", page, re.I), "the page names nothing on the network"
     assert not re.search(r"<script|<link|<iframe|<object|<embed|@import|url\(", page, re.I)
     for m in re.finditer(r'\b(?:src|href)="([^"]*)"', page):
@@ -252,6 +272,8 @@ class DevTools:
         def fds():  # the child reads commands on fd 3 and answers on fd 4
             os.dup2(to_browser_r, 3)
             os.dup2(from_browser_w, 4)
+            os.set_inheritable(3, True)  # dup2 onto itself would keep close-on-exec
+            os.set_inheritable(4, True)
 
         self.proc = subprocess.Popen([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "--remote-debugging-pipe"],
                                      preexec_fn=fds, pass_fds=(3, 4), stdout=subprocess.DEVNULL,
