@@ -82,6 +82,7 @@ from fewclip.io import atomic_write_json, atomic_write_text
 
 from fewclip.report_options import ReportOptions
 
+from .html import write_html
 from .latex import render_latex
 from .plots import plot_accuracy_vs_shots, plot_cost_vs_accuracy, save_figure
 from .runs import (COST_FIGURE_FILE, FEWSHOT, FIGURE_FILE, METRICS_FILE, NoRunsFoundError, RunResult, SkippedFile,
@@ -192,7 +193,7 @@ def build_report(run_root: str | Path | Sequence[str | Path], options: ReportOpt
 
 def write_report(run_root: str | Path | Sequence[str | Path], out_dir: str | Path | None = None,
                  options: ReportOptions | None = None) -> Report:
-    """Build the report and write report.md/.csv/.json and the figure(s) to ``out_dir``.
+    """Build the report and write report.md/.csv/.json, the figure(s) and report.html to ``out_dir``.
 
     ``out_dir`` defaults to ``run_root``. Returns the :class:`Report`, whose
     ``markdown`` the CLI prints and whose ``paths`` name the files written.
@@ -230,5 +231,6 @@ def write_report(run_root: str | Path | Sequence[str | Path], out_dir: str | Pat
             for fmt, path in zip(formats, save_figure(fig, out / cost_names[bb], formats)):
                 paths[f"cost_{fmt}:{bb}"] = path
     report.paths = paths
+    paths["html"] = write_html(report, out)  # last: it embeds the figures and reads report.json
     logger.info("wrote %s", ", ".join(str(p) for p in paths.values()))
     return report
