@@ -194,6 +194,13 @@ def parse_options(args: Sequence[str]) -> PublishedOptions:
     return PublishedOptions(**values)  # type: ignore[arg-type]
 
 
+def display_dataset(row: PublishedRow) -> str:
+    """The row's test set, with what it was trained on where that differs (transfer protocols)."""
+    if not row.train_dataset:
+        return row.dataset
+    return f"{row.dataset} (source)" if row.dataset == row.train_dataset else f"{row.dataset} (from {row.train_dataset})"
+
+
 def render(rows: Sequence[PublishedRow], sources: bool = True) -> str:
     """A plain-text table of the rows (the CLI's output)."""
     cols = ["method", "backbone", "dataset", "protocol", "shots", "metric", "value"] + (
@@ -201,7 +208,7 @@ def render(rows: Sequence[PublishedRow], sources: bool = True) -> str:
     cells = [[str(getattr(r, c)) if c != "value" else f"{r.value:.2f}" for c in cols] for r in rows]
     for r, line in zip(rows, cells):
         if r.train_dataset:
-            line[cols.index("dataset")] = f"{r.dataset} (from {r.train_dataset})"
+            line[cols.index("dataset")] = display_dataset(r)
     widths = [max([len(c)] + [len(line[i]) for line in cells]) for i, c in enumerate(cols)]
     out = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip(),
            "  ".join("-" * w for w in widths)]

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 from fewclip.io import read_json
-from fewclip.published import AVERAGE, ELEVEN, PublishedRow, backbone_key, shipped_table
+from fewclip.published import AVERAGE, ELEVEN, PublishedRow, backbone_key, display_dataset, shipped_table
 
 from .runs import FEWSHOT, NA, RunResult
 
@@ -154,7 +154,7 @@ def render_published_markdown(comparisons: Sequence[Comparison]) -> str:
     ]
     for c in comparisons:
         r = c.row
-        ds = f"{r.dataset} (from {r.train_dataset})" if r.train_dataset else r.dataset
+        ds = display_dataset(r)
         lines.append(f"| {c.method} | {r.backbone} | {ds} | {r.protocol} | {r.shots} | {r.metric} | {c.mean:.2f} | "
                      f"{c.n} | {r.value:.2f} | {_fmt(c.gap, '+.1f')} | {r.source} |")
     return "\n".join(lines) + "\n"
