@@ -221,6 +221,7 @@ def run(command: str, args: Sequence[str]) -> int:
     opts = parse_options(args)
     rows = filter_rows(shipped_table(), opts.method, opts.dataset, opts.protocol, opts.backbone, opts.shots,
                        opts.metric)
+    rows.sort(key=lambda r: (r.method, r.backbone, r.protocol, r.train_dataset, r.dataset, r.shots))  # stable: metric order kept
     if not rows:
         print("no published result matches; `fewclip published` alone lists them all", file=sys.stderr)
         return 0
