@@ -218,3 +218,19 @@ def test_no_match_shows_nothing(tmp_path):
     add_base2new(tmp_path, "gda", "dtd", 1, 80.0, 60.0)
     assert build_report(tmp_path).published
     assert build_report(tmp_path, ReportOptions(published=False)).published == []
+
+
+def test_domain_shift_runs_match_their_test_sets(tmp_path):
+    targets = ("imagenet_v2", "imagenet_sketch", "imagenet_a", "imagenet_r")
+    for seed, top1 in ((1, 63.0), (2, 64.0)):
+        evals = {"source": {"top1": top1}, **{t: {"top1": 30.0 + seed} for t in targets}}
+        add_run(tmp_path, "coop", "imagenet", 16, seed, top1, backbone="RN50-quickgelu/openai",
+                protocol="domain_shift", evals=evals)
+    rep = build_report(tmp_path)
+    got = {c.row.dataset: c for c in rep.published}
+    assert set(got) == {"imagenet", *targets}
+    assert all(c.row.train_dataset == "imagenet" and c.n == 2 for c in got.values())
+    src = got["imagenet"]
+    assert src.mean == pytest.approx(63.5)
+    assert src.gap == pytest.approx((63.5 - src.row.value) / 0.5)  # SE of (63, 64) is 0.5
+    assert "imagenet (source)" in rep.markdown and "imagenet_a (from imagenet)" in rep.markdown

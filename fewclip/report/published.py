@@ -130,7 +130,9 @@ def compare(runs: Sequence[RunResult], rename: Mapping[str, str] | None = None,
         gap = (mean - row.value) / se if se else None
         out.append(Comparison(row=row, method=shown.get(row.method, row.method), mean=mean, n=len(per_seed), se=se,
                               gap=gap))
-    return out
+    # by setting; stable, so base, new, hm and several sources of one setting keep the table's order
+    return sorted(out, key=lambda c: (c.row.method, c.row.backbone, c.row.protocol, c.row.train_dataset,
+                                      c.row.dataset != AVERAGE, c.row.dataset, c.row.shots))
 
 
 def _fmt(x: Optional[float], spec: str = ".2f") -> str:
