@@ -8,10 +8,14 @@ import sys
 
 import pytest
 
+import fewclip.adapters  # noqa: F401  (registers the built-in methods)
+import fewclip.datasets  # noqa: F401  (registers the built-in datasets)
+from fewclip.adapter import ADAPTERS
 from fewclip.cli import main
-from fewclip.published import (AVERAGE, COLUMNS, ELEVEN, PROTOCOLS, PublishedError, backbone_checksums, backbone_key,
-                               filter_rows, load_table, parse_options, shipped_table)
-from fewclip.report import build_report, write_report
+from fewclip.data import DATASETS
+from fewclip.published import (AVERAGE, COLUMNS, ELEVEN, PROTOCOLS, RESULTS_FILE, PublishedError, backbone_checksums,
+                               backbone_key, filter_rows, load_table, parse_options, shipped_table)
+from fewclip.report import ReportOptions, build_report, write_report
 
 VIT_SHA = "5806e77cd80f8b59890b7e101eabd078d9fb84e6937f9e85e4ecb61988df416f"  # backbones.csv: ViT-B-16.pt
 
@@ -43,7 +47,7 @@ def published(method, dataset, protocol, shots, metric, backbone="ViT-B-16/opena
 def test_shipped_table_parses_with_sources_and_no_duplicates():
     rows = load_table()
     assert len(rows) > 200
-    with open(rows and __import__("fewclip.published", fromlist=["RESULTS_FILE"]).RESULTS_FILE) as f:
+    with open(RESULTS_FILE, newline="") as f:
         raw = list(csv.DictReader(f))
     assert tuple(raw[0]) == COLUMNS and len(raw) == len(rows)
     keys = [tuple(r.values()) for r in raw]
@@ -55,11 +59,6 @@ def test_shipped_table_parses_with_sources_and_no_duplicates():
 
 
 def test_table_names_are_fewclips():
-    from fewclip.adapter import ADAPTERS
-    import fewclip.adapters  # noqa: F401  (registers the built-in methods)
-    import fewclip.datasets  # noqa: F401
-    from fewclip.data import DATASETS
-
     rows = shipped_table()
     assert {r.method for r in rows} <= set(ADAPTERS.names())
     assert {r.dataset for r in rows} - {AVERAGE} <= set(DATASETS.names())
@@ -202,7 +201,6 @@ def test_average_hm_and_one_seed_is_na(tmp_path):
 def test_renamed_method_still_matches(tmp_path):
     for seed in (1, 2):
         add_base2new(tmp_path, "gda", "dtd", seed, 80.0 + seed, 60.0)
-    from fewclip.report import ReportOptions
     rep = build_report(tmp_path, ReportOptions(rename={"gda": "GDA"}))
     assert {c.method for c in rep.published} == {"GDA"} and len(rep.published) == 2
 
@@ -214,7 +212,6 @@ def test_no_match_shows_nothing(tmp_path):
     rep = write_report(tmp_path)
     assert rep.published == [] and "Published results" not in rep.markdown
     assert not (tmp_path / "published.csv").exists()
-    from fewclip.report import ReportOptions
     add_base2new(tmp_path, "gda", "dtd", 1, 80.0, 60.0)
     assert build_report(tmp_path).published
     assert build_report(tmp_path, ReportOptions(published=False)).published == []
