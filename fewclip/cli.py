@@ -26,17 +26,22 @@ COMMAND_HELP = {
                "method's export format (options by format: `fewclip adapters` lists the methods)"),
     "predict": "usage: fewclip predict prompts=FILE IMAGE [IMAGE ...] [top_k=5] [backbone.device=cpu]",
     "import": "usage: fewclip import FORMAT CHECKPOINT out=DIR [key=value ...] (`fewclip import` lists the formats)",
+    "published": ("usage: fewclip published [method=NAME] [dataset=NAME] [protocol=NAME] [backbone=ARCH/TAG] [shots=N] "
+                  "[metric=NAME]: the published results shipped with fewclip, each with its source"),
 }
 
 
 # Commands whose options live in a light dataclass: their --help lists them without loading the commands.
-LIGHT_OPTIONS = {"report": ("fewclip.report_options", "ReportOptions")}
+LIGHT_OPTIONS = {"report": ("fewclip.report_options", "ReportOptions"),
+                 "published": ("fewclip.published", "PublishedOptions")}
+# Commands that need no torch: run from their own light module (its ``run(command, args)``), not fewclip.commands.
+LIGHT_COMMANDS = {"published": "fewclip.published"}
 
 # Commands whose --help prints a run config: fewclip.quickhelp composes it without torch where it can.
 QUICK_HELP = ("train", "zeroshot", "sweep", "features")
 
 COMMAND_NAMES = ("backbones", "datasets", "adapters", "zeroshot", "train", "sweep", "report", "export", "predict",
-                 "import", "cache", "features")
+                 "import", "cache", "features", "published")
 
 USAGE = """usage: fewclip COMMAND [file.yaml ...] [key=value ...]
 
@@ -52,6 +57,8 @@ commands:
   cache        the on-disk feature store shared by runs and sweeps: fewclip cache [list|clear]
   report       seed-averaged tables and the accuracy-vs-shots plot: fewclip report runs/demo
   adapters     list the registered adapters (few-shot methods)
+  published    the published results of fewclip's methods, with sources: fewclip published method=coop
+               protocol=base2new (`fewclip report` sets them beside your runs where the setting matches)
   export       a run in its method's export format: fewclip export runs/coop -o prompts.safetensors [nearest=3]
                (CoOp: one prompt file; LoRA: a peft folder, fewclip export runs/lora [merge=true];
                the other methods: one adapter file, fewclip export runs/tip -o tip.safetensors)
@@ -97,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print("\n".join(lines))
                 return 0
         # The commands import torch and open_clip (seconds): loaded here, so `fewclip --help` does not pay it.
-        commands = importlib.import_module("fewclip.commands")
+        commands = importlib.import_module(LIGHT_COMMANDS.get(command, "fewclip.commands"))
         return commands.run(command, args)
     except KeyboardInterrupt:
         print(f"fewclip {command}: interrupted; finished results are kept", file=sys.stderr)

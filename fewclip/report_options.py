@@ -23,6 +23,9 @@ class ReportOptions:
         "help": "figure formats, any of png (200 dpi), pdf, svg"})
     latex: bool = field(default=True, metadata={
         "help": "also write report.tex: the tables in the layout of the CoOp / CoCoOp papers (booktabs)"})
+    published: bool = field(default=True, metadata={
+        "help": "beside runs that match a published result (`fewclip published`), show it and the gap in standard "
+                "errors (report.md's Published results, published.csv)"})
     out: Optional[str] = field(default=None, metadata={
         "help": "folder to write the report into (default: the first run folder)"})
 

@@ -34,6 +34,9 @@ Conventions (also stated in ``report.md``):
   more datasets (a hollow marker is an average over only some datasets).
   With several backbones, ``accuracy_vs_shots_<backbone>.png`` is also
   written for each of them, and ``report.md`` links those.
+* Published results (``fewclip.report.published``): where runs match the setting of a published result
+  (``fewclip published``), ``report.md`` gets a "Published results" section and ``published.csv`` is written:
+  the runs' mean, the published value and the gap in standard errors of the seeds.
 * Cost (runs whose ``metrics.json`` records it, ``fewclip.cost``): per
   backbone, a table of (method, shots) with the mean over that backbone's runs
   (every dataset and seed) of trainable parameters, training time, wall time,
@@ -84,6 +87,7 @@ from fewclip.report_options import ReportOptions
 
 from .html import write_html
 from .latex import render_latex
+from .published import Comparison, compare, render_published_csv, render_published_markdown
 from .plots import plot_accuracy_vs_shots, plot_cost_vs_accuracy, save_figure
 from .runs import (COST_FIGURE_FILE, FEWSHOT, FIGURE_FILE, METRICS_FILE, NoRunsFoundError, RunResult, SkippedFile,
                    load_runs)
@@ -110,6 +114,7 @@ class Report:
     paths: dict[str, Path] = field(default_factory=dict)
     costs: list[CostStats] = field(default_factory=list)
     protocol_cells: list[ProtocolCell] = field(default_factory=list)
+    published: list[Comparison] = field(default_factory=list)  # runs beside the published results they match
 
     @property
     def backbones(self) -> list[str]:
@@ -185,10 +190,12 @@ def build_report(run_root: str | Path | Sequence[str | Path], options: ReportOpt
     cells = aggregate(fewshot)
     costs = cost_stats(fewshot, cells)
     protocol_cells = aggregate_protocols(runs)
-    return Report(run_root=run_root, runs=runs, cells=cells, skipped=skipped,
-                  markdown=render_markdown(roots if len(roots) > 1 else run_root, runs, cells, skipped, costs,
-                                           protocol_cells), costs=costs,
-                  protocol_cells=protocol_cells)
+    published = compare(runs, options.rename) if options.published else []
+    markdown = render_markdown(roots if len(roots) > 1 else run_root, runs, cells, skipped, costs, protocol_cells)
+    if published:
+        markdown += "\n" + render_published_markdown(published)
+    return Report(run_root=run_root, runs=runs, cells=cells, skipped=skipped, markdown=markdown, costs=costs,
+                  protocol_cells=protocol_cells, published=published)
 
 
 def write_report(run_root: str | Path | Sequence[str | Path], out_dir: str | Path | None = None,
@@ -210,6 +217,8 @@ def write_report(run_root: str | Path | Sequence[str | Path], out_dir: str | Pat
                                   to_json(report.run_root, report.runs, report.cells, report.skipped, report.costs,
                                           report.protocol_cells)),
     }
+    if report.published:
+        paths["published_csv"] = atomic_write_text(out / "published.csv", render_published_csv(report.published))
     if options.latex:
         paths["tex"] = atomic_write_text(out / "report.tex", render_latex(report.cells, report.protocol_cells))
     backbones = report.backbones
