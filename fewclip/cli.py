@@ -26,14 +26,19 @@ COMMAND_HELP = {
                "method's export format (options by format: `fewclip adapters` lists the methods)"),
     "predict": "usage: fewclip predict prompts=FILE IMAGE [IMAGE ...] [top_k=5] [backbone.device=cpu]",
     "import": "usage: fewclip import FORMAT CHECKPOINT out=DIR [key=value ...] (`fewclip import` lists the formats)",
+    "split": ("usage: fewclip split export data=NAME [data.root=PATH] [shots=16] [seed=1] format=zhou|2sfs|manifest|"
+              "fewclip out=FILE | fewclip split import FILE data=NAME [data.root=PATH] [shots=K] [seed=S]: few-shot "
+              "split files (CoOp's split_zhou JSON, 2SFS JSON lines, manifests); a run trains on one with "
+              "data.fewshot_file=FILE"),
 }
 
 
 # Commands whose options live in a light dataclass: their --help lists them without loading the commands.
-LIGHT_OPTIONS = {"report": ("fewclip.report_options", "ReportOptions")}
+LIGHT_OPTIONS = {"report": ("fewclip.report_options", "ReportOptions"),
+                 "split": ("fewclip.split_files", "SplitOptions")}
 
 COMMAND_NAMES = ("backbones", "datasets", "adapters", "zeroshot", "train", "sweep", "report", "export", "predict",
-                 "import", "cache", "features")
+                 "import", "cache", "features", "split")
 
 USAGE = """usage: fewclip COMMAND [file.yaml ...] [key=value ...]
 
@@ -47,6 +52,8 @@ commands:
   sweep        methods x datasets x shots x seeds, resumable: fewclip sweep sweep/demo.yaml out=runs/demo
                on worker processes, Ray or SLURM: launcher=local launcher.workers=4 | launcher=ray | launcher=slurm
   cache        the on-disk feature store shared by runs and sweeps: fewclip cache [list|clear]
+  split        few-shot split files in published formats: fewclip split export data=toy-shapes shots=16 seed=1
+               format=zhou out=split.json; fewclip split import split.json data=toy-shapes; data.fewshot_file=FILE
   report       seed-averaged tables and the accuracy-vs-shots plot: fewclip report runs/demo
   adapters     list the registered adapters (few-shot methods)
   export       a run in its method's export format: fewclip export runs/coop -o prompts.safetensors [nearest=3]

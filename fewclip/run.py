@@ -48,6 +48,7 @@ from .protocols import ProtocolPlan, harmonic_mean, make_plan, write_protocol_sp
 from .records import Identity, Run, RunLock, config_dict, data_part, open_run, run_identity, weights_checksum
 from .transductive import rescore_plan
 from .splits import TEST_SUBSET_SEED, FewShotSplit, make_few_shot_split, test_items, write_split
+from .split_files import split_from_file
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ class RunResources:
 
     # DataConfig fields that say how a dataset is used, not what build_dataset returns: runs that differ only in
     # them share one dataset object (and so its rendered images and cached features).
-    USE_ONLY = ("templates", "allow_fewer_shots", "batch_size", "workers", "max_test")
+    USE_ONLY = ("templates", "allow_fewer_shots", "batch_size", "workers", "max_test", "fewshot_file")
 
     def dataset(self, cfg: DataConfig) -> Dataset:
         key = to_yaml(dataclasses.replace(cfg, **{f: getattr(DataConfig(), f) for f in self.USE_ONLY}))
@@ -145,10 +146,13 @@ class RunResources:
 
 
 def few_shot_split(cfg: TrainRunConfig, plan: ProtocolPlan) -> Optional[FewShotSplit]:
-    """The run's few-shot split, drawn from the plan's training dataset; None for an adapter that trains on
-    nothing."""
+    """The run's few-shot split, drawn from the plan's training dataset or read from ``data.fewshot_file``; None
+    for an adapter that trains on nothing."""
     if not adapter_info(cfg.adapter.name).trains:
         return None
+    if cfg.data.fewshot_file:
+        return split_from_file(cfg.data.fewshot_file, plan.source, plan.train, shots=cfg.shots, seed=cfg.seed,
+                               allow_fewer=cfg.data.allow_fewer_shots)
     return make_few_shot_split(plan.train, cfg.shots, cfg.seed, allow_fewer=cfg.data.allow_fewer_shots)
 
 
@@ -271,6 +275,7 @@ def _train(run: Run, cfg: TrainRunConfig, out: Path, backbone: Backbone, plan: P
         "geometry": backbone.geometry.name,
         "shots": cfg.shots,
         **({"shots_per_class": shots_got} if shots_got is not None else {}),
+        **({"split_file": split.source} if split is not None and split.source else {}),
         "seed": cfg.seed,
         "templates": list(adapter.templates),
         "templates_mode": cfg.data.templates,
