@@ -135,13 +135,16 @@ def items_list(items: Sequence[Any]) -> List[List[Any]]:
 def data_part(*, dataset: str, classnames: Sequence[str], templates: Sequence[str], test: Sequence[Any],
               split: Optional[Dict[str, Any]] = None, evals: Optional[Sequence[Dict[str, Any]]] = None
               ) -> Dict[str, Any]:
-    """The ``data`` part of an identity: names, templates, few-shot split (train/val ids) and test ids; ``evals``:
+    """The ``data`` part of an identity: names, templates, few-shot split (train/val ids, and the file it was read
+    from with its sha256) and test ids; ``evals``:
     a protocol's test sets, each a dict of what it holds (JSON-able; test items under ``"test"``)."""
     d = {"dataset": dataset, "classnames": list(classnames), "templates": list(templates),
          "test": items_list(test)}
     if split is not None:
         d["train"] = [list(x) for x in split["train"]]
         d["val"] = [list(x) for x in split["val"]]
+        if split.get("source"):  # read from a file (data.fewshot_file): the file, by its checksum, too
+            d["split_source"] = split["source"]
     if evals is not None:
         d["evals"] = [{**e, "test": items_list(e["test"])} for e in evals]
     return d

@@ -43,7 +43,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .data import DataConfig, Dataset, DatasetError, Item
 from .io import atomic_write_text
-from .splits import VAL_SHOTS_MAX, FewShotSplit, derive_seed, make_few_shot_split, read_split, sample_few_shot
+from .splits import VAL_SHOTS_MAX, FewShotSplit, derive_seed, make_few_shot_split, sample_few_shot
 
 FORMATS = ("zhou", "2sfs", "manifest", "fewclip")
 PICKLE_SUFFIXES = (".pkl", ".pickle")
@@ -537,6 +537,7 @@ def _image_path(dataset: Dataset, item: Item, root: Optional[str]) -> str:
 def write_file(split: FewShotSplit, dataset: Dataset, fmt: str, out: str | os.PathLike,
                root: Optional[str] = None) -> List[Path]:
     """Write ``split`` (of ``dataset``) in format ``fmt``; returns the files written (2SFS: train and val)."""
+    folder = str(out).endswith(("/", os.sep))  # Path() drops the slash that says "a folder"
     out = Path(out).expanduser()
     names = dataset.classnames
     if fmt == "zhou":
@@ -547,7 +548,7 @@ def write_file(split: FewShotSplit, dataset: Dataset, fmt: str, out: str | os.Pa
         return [atomic_write_text(out, json.dumps(obj, indent=4, separators=(",", ": ")) + "\n")]
     if fmt == "2sfs":
         train_name, val_name = twosfs_names(split.shots, split.seed)
-        if out.is_dir() or str(out).endswith(("/", os.sep)):
+        if folder or out.is_dir():
             train_path, val_path = out / train_name, out / val_name
         elif out.name.endswith("_train.jsonl"):
             train_path, val_path = out, out.with_name(out.name[: -len("_train.jsonl")] + "_val.jsonl")
