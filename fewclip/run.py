@@ -171,14 +171,15 @@ def run_identity_of(cfg: RunConfig, backbone: Backbone, plan, split=None) -> Ide
     test set's dataset, class names, templates, class map and test images. ``plan`` is the run's
     ``ProtocolPlan`` (a ``Dataset`` is taken as the source of ``build_plan``).
 
-    The ``train`` section of an adapter that trains on nothing (zeroshot) is no part of it: a sweep's
-    ``train.*`` arguments do not change its numbers. (Nor are ``protocol`` and ``targets`` at their defaults:
-    ``records.LATER_KEY_DEFAULTS``.)"""
+    The ``train`` section (and ``data.fewshot_file``) of an adapter that trains on nothing (zeroshot) is no part of
+    it: a sweep's ``train.*`` arguments do not change its numbers. (Nor are ``protocol`` and ``targets`` at their
+    defaults: ``records.LATER_KEY_DEFAULTS``.)"""
     if not isinstance(plan, ProtocolPlan):
         plan = build_plan(cfg, plan)
     conf = config_dict(cfg)
     if not adapter_info(conf["adapter"]["name"]).trains:
         conf.pop("train", None)
+        conf.get("data", {}).pop("fewshot_file", None)  # it trains on no images: no split file either
     mode, max_test = cfg.data.templates, cfg.data.max_test
     evals = None
     if plan.protocol != "fewshot":

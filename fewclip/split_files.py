@@ -120,10 +120,10 @@ class SplitFile:
     seed: Optional[int] = None
 
     def source(self) -> Dict[str, object]:
-        """What a run records about the file: its path, format and every file's sha256."""
-        out: Dict[str, object] = {"path": str(self.path), "format": self.format,
+        """What a run records about the file: its absolute path, format and every file's sha256."""
+        out: Dict[str, object] = {"path": str(self.path.resolve()), "format": self.format,
                                   "sha256": self.files[str(self.path)]}
-        others = {p: h for p, h in self.files.items() if p != str(self.path)}
+        others = {str(Path(p).resolve()): h for p, h in self.files.items() if p != str(self.path)}
         if others:
             out["other_files"] = others
         return out
@@ -413,7 +413,7 @@ def resolve(sf: SplitFile, dataset: Dataset, *, seed: Optional[int] = None, shot
 
     Images the dataset lacks are one error listing the first few (and how many); so are test images, images
     listed twice, and (given ``shots``) classes with more than ``shots`` images or, unless ``allow_fewer``,
-    fewer. A file without validation images gets fewclip's seeded draw of them (``seed`` needed)."""
+    fewer. A file without validation images gets fewclip's draw of them with ``seed`` (none without a seed)."""
     index = _Index(dataset)
     sections = [("train", sf.train)] + ([("val", sf.val)] if sf.val is not None else [])
     missing: List[str] = []
@@ -471,9 +471,9 @@ def resolve(sf: SplitFile, dataset: Dataset, *, seed: Optional[int] = None, shot
                                  f"holds")
     if sf.val is not None:
         val = ordered(found["val"])
+    elif seed is None:  # nothing to draw them with: `fewclip split import` without seed=
+        val = []
     else:
-        if seed is None:
-            raise SplitFileError(f"{sf.path} has no validation images; give seed= so fewclip draws them")
         pool = dataset.splits.get("val", [])
         k = min(shots if shots is not None else stated, VAL_SHOTS_MAX)
         picked = sample_few_shot([it.label for it in pool], k, derive_seed(seed, "val"), allow_fewer=True) \
@@ -615,7 +615,8 @@ def import_split(opts: SplitOptions, path: str, dataset: Dataset) -> str:
              f"  dataset {dataset.name}: {n} classes, all images found",
              f"  train: {len(split.train)} images, {_per_class(split.train, n)}",
              ("  val: " + (f"{len(split.val)} images, {_per_class(split.val, n)}" if split.val else "none")
-              + ("" if sf.val is not None else f" (none in the file: fewclip's draw of seed {opts.seed})"))]
+              + ("" if sf.val is not None else " (none in the file: " + (
+                  f"fewclip's draw of seed {opts.seed})" if opts.seed is not None else "a run draws them with its seed)")))]
     if opts.seed is not None:
         own = make_few_shot_split(dataset, split.shots, opts.seed, allow_fewer=True)
         same = ([it.id for it in own.train] == [it.id for it in split.train]

@@ -63,7 +63,7 @@ def test_export_then_import_gives_fewclips_own_draw(shapes, tmp_path, fmt, name)
     assert got.source["sha256"] == sha256(written[0]) and got.source["format"] == fmt
     if fmt == "2sfs":
         assert [p.name for p in written] == ["shot_4-seed_3_train.jsonl", "shot_4-seed_3_val.jsonl"]
-        assert got.source["other_files"] == {str(written[1]): sha256(written[1])}
+        assert got.source["other_files"] == {str(written[1].resolve()): sha256(written[1])}
         # given the val file, the pair is read as well
         assert ids(resolve(read_file(written[1]), shapes, seed=3, shots=4).train) == ids(drawn.train)
 
@@ -139,7 +139,7 @@ def test_a_run_trains_on_the_2sfs_fixture(pets_root, tmp_path):
     split = json.loads((out / "split.json").read_text())
     assert [row[0] for row in split["train"]][:2] == ["Abyssinian_2.jpg", "Abyssinian_4.jpg"]
     train_file = Path(str(pattern).format(shots=2, seed=1))
-    assert split["source"]["path"] == str(train_file) and split["source"]["sha256"] == sha256(train_file)
+    assert split["source"]["path"] == str(train_file.resolve()) and split["source"]["sha256"] == sha256(train_file)
 
 
 # ---------------------------------------------------------------- runs
@@ -155,7 +155,7 @@ def test_run_on_a_file_equals_the_run_on_the_drawn_split(tmp_path, capsys):
     b = json.loads((file_run / "metrics.json").read_text())
     assert a["top1"] == b["top1"] and a["per_class"] == b["per_class"]
     assert "split_file" not in a
-    assert b["split_file"] == {"path": str(path), "format": "zhou", "sha256": sha256(path)}
+    assert b["split_file"] == {"path": str(path.resolve()), "format": "zhou", "sha256": sha256(path)}
     split_a = json.loads((drawn_run / "split.json").read_text())
     split_b = json.loads((file_run / "split.json").read_text())
     assert split_b.pop("source")["sha256"] == sha256(path)
@@ -175,24 +175,32 @@ def test_zeroshot_and_sweep_take_a_file_pattern(tmp_path, capsys):
         assert main(["split", "export", "data=toy-shapes", "shots=1", f"seed={seed}", "format=2sfs",
                      f"out={folder}/"]) == 0
     spec = tmp_path / "sweep.yaml"
-    spec.write_text(f"""\
+
+    def write_spec(methods, extra):
+        spec.write_text(f"""\
 sweep:
   backbones: [toy-clip]
   datasets: [toy-shapes]
-  methods: [zeroshot, linear_probe]
+  methods: [{methods}]
   shots: [1]
   seeds: [1, 2]
-  args: [train.epochs=2, data.max_test=40, backbone.device=cpu, "data.fewshot_file={folder}/shot_{{shots}}-seed_{{seed}}_train.jsonl"]
+  args: [train.epochs=2, data.max_test=40, backbone.device=cpu{extra}]
 """)
+
+    write_spec("zeroshot, linear_probe", f', "data.fewshot_file={folder}/shot_{{shots}}-seed_{{seed}}_train.jsonl"')
     out = tmp_path / "sweep"
     assert main(["sweep", str(spec), f"out={out}", "report=false"]) == 0
     for seed in (1, 2):
         m = json.loads((out / f"toy-clip/toy-shapes/linear_probe/1shot/seed{seed}/metrics.json").read_text())
-        assert m["split_file"]["path"] == str(folder / f"shot_1-seed_{seed}_train.jsonl")
+        assert m["split_file"]["path"] == str((folder / f"shot_1-seed_{seed}_train.jsonl").resolve())
         drawn = make_few_shot_split(build_dataset(DataConfig(name="toy-shapes")), 1, seed)
         split = json.loads((out / f"toy-clip/toy-shapes/linear_probe/1shot/seed{seed}/split.json").read_text())
         assert [tuple(r) for r in split["train"]] == ids(drawn.train)
     assert "split_file" not in json.loads((out / "toy-clip/toy-shapes/zeroshot/metrics.json").read_text())
+    # zeroshot trains on no images: its run is the one without a split file (a sweep without it finds it done)
+    write_spec("zeroshot", "")
+    assert main(["sweep", str(spec), f"out={out}", "report=false"]) == 0
+    assert "sweep: 1 runs, 1 already done, 0 ran" in capsys.readouterr().out
 
 
 def test_base2new_keeps_the_base_images_of_a_split_of_all_classes(tmp_path):
@@ -313,3 +321,8 @@ def test_import_compares_with_the_draw_of_a_seed(tmp_path, capsys):
     assert "2-shot draw of seed 7: the same images" in capsys.readouterr().out
     assert main(["split", "import", str(path), "data=toy-shapes", "seed=8"]) == 0
     assert "2-shot draw of seed 8: other images" in capsys.readouterr().out
+    ids_only = tmp_path / "ids.txt"
+    assert main(["split", "export", "data=toy-shapes", "shots=2", "seed=7", "format=manifest", f"out={ids_only}"]) == 0
+    assert main(["split", "import", str(ids_only), "data=toy-shapes", "shots=2"]) == 0
+    out = capsys.readouterr().out
+    assert "train: 16 images, 2 per class" in out and "val: none (none in the file: a run draws them" in out
