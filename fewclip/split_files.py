@@ -382,9 +382,10 @@ class _Index:
         return None
 
 
-def _listing(paths: Sequence[str]) -> str:
-    more = f" and {len(paths) - SHOWN} more" if len(paths) > SHOWN else ""
-    return ", ".join(repr(p) for p in paths[:SHOWN]) + more
+def _listing(things: Sequence[str], quote: bool = True) -> str:
+    """The first few of ``things`` (paths: quoted) and how many more."""
+    more = f" and {len(things) - SHOWN} more" if len(things) > SHOWN else ""
+    return ", ".join(repr(t) if quote else t for t in things[:SHOWN]) + more
 
 
 def _check_labels(sf: SplitFile, pairs: Sequence[Tuple[Entry, Item]], dataset: Dataset) -> None:
@@ -395,11 +396,11 @@ def _check_labels(sf: SplitFile, pairs: Sequence[Tuple[Entry, Item]], dataset: D
         if e.label is None:
             continue
         if to_dataset.setdefault(e.label, it.label) != it.label:
-            bad.append(f"{e.path} (label {e.label}: {dataset.classnames[it.label]!r}, elsewhere "
+            bad.append(f"{e.path!r} (label {e.label}: {dataset.classnames[it.label]!r}, elsewhere "
                        f"{dataset.classnames[to_dataset[e.label]]!r})")
     if bad:
         raise SplitFileError(f"{sf.path}: {len(bad)} image(s) carry a label that names another class elsewhere in "
-                             f"the file, by dataset {dataset.name!r}: {_listing(bad)}; the file was written for "
+                             f"the file, by dataset {dataset.name!r}: {_listing(bad, False)}; the file was written for "
                              f"another dataset or class order")
     if len(set(to_dataset.values())) != len(to_dataset):
         raise SplitFileError(f"{sf.path}: two of the file's labels name one class of dataset {dataset.name!r}; the "
@@ -433,7 +434,7 @@ def resolve(sf: SplitFile, dataset: Dataset, *, seed: Optional[int] = None, shot
                 leaked.append(e.path)
                 continue
             if it.id in seen:
-                twice.append(f"{e.path} ({seen[it.id]} and {section})" if seen[it.id] != section else e.path)
+                twice.append(f"{e.path!r} ({seen[it.id]} and {section})" if seen[it.id] != section else repr(e.path))
                 continue
             seen[it.id] = section
             pairs.append((e, it))
@@ -447,7 +448,7 @@ def resolve(sf: SplitFile, dataset: Dataset, *, seed: Optional[int] = None, shot
         raise SplitFileError(f"{sf.path} lists {len(leaked)} test image(s) of dataset {dataset.name!r} for training "
                              f"or validation: {_listing(leaked)}; a run is scored on them")
     if twice:
-        raise SplitFileError(f"{sf.path} lists {len(twice)} image(s) twice: {_listing(twice)}; a few-shot split "
+        raise SplitFileError(f"{sf.path} lists {len(twice)} image(s) twice: {_listing(twice, False)}; a few-shot split "
                              f"holds each image once")
     _check_labels(sf, pairs, dataset)
 
@@ -462,12 +463,15 @@ def resolve(sf: SplitFile, dataset: Dataset, *, seed: Optional[int] = None, shot
     if shots is not None:
         over = [f"{dataset.classnames[y]!r} ({c})" for y, c in enumerate(counts) if c > shots]
         if over:
+            whole = ("; a dataset's whole split, as CoOp's own split_zhou_*.json files are, goes to data.split_file"
+                     if sf.format == "zhou" else "")
             raise SplitFileError(f"{sf.path} holds more than shots={shots} training images for {len(over)} class(es):"
-                                 f" {_listing(over)}; set shots={stated} (or use a file of {shots} shots)")
+                                 f" {_listing(over, False)}; set shots={stated} (or use a file of {shots} shots)"
+                                 + whole)
         under = [f"{dataset.classnames[y]!r} ({c})" for y, c in enumerate(counts) if c < shots]
         if under and not allow_fewer:
             raise SplitFileError(f"{sf.path} holds fewer than shots={shots} training images for {len(under)} "
-                                 f"class(es): {_listing(under)}; set data.allow_fewer_shots=true to train on what it "
+                                 f"class(es): {_listing(under, False)}; set data.allow_fewer_shots=true to train on what it "
                                  f"holds")
     if sf.val is not None:
         val = ordered(found["val"])
@@ -513,7 +517,7 @@ def split_from_file(template: str, source: Dataset, train: Dataset, *, shots: in
                                                                                                allow_fewer)]
     if wrong:
         raise SplitFileError(f"{sf.path} does not hold shots={shots} training images for {len(wrong)} class(es) of "
-                             f"{train.name}: {_listing(wrong)}; set shots= to the file's, or "
+                             f"{train.name}: {_listing(wrong, False)}; set shots= to the file's, or "
                              f"data.allow_fewer_shots=true")
     return sub
 
