@@ -213,6 +213,18 @@ def test_base2new_keeps_the_base_images_of_a_split_of_all_classes(tmp_path):
     assert got.classnames == plan.train.classnames and got.source["sha256"] == sha256(path)
 
 
+def test_a_base2new_run_on_a_file_of_all_classes_equals_the_drawn_run(tmp_path):
+    path = tmp_path / "all.csv"
+    assert main(["split", "export", "data=toy-shapes", "shots=2", "seed=3", "format=manifest", f"out={path}"]) == 0
+    runs = []
+    for extra in ([], [f"data.fewshot_file={path}"]):
+        out = tmp_path / f"run{len(runs)}"
+        assert main([*RUN, "protocol=base2new", "shots=2", "seed=3", *extra, f"out={out}"]) == 0
+        runs.append(json.loads((out / "metrics.json").read_text()))
+    assert runs[0]["evals"] == runs[1]["evals"] and runs[0]["evals"]["base"]["top1"] is not None
+    assert runs[1]["split_file"]["sha256"] == sha256(path)
+
+
 # ---------------------------------------------------------------- errors
 
 
