@@ -335,7 +335,7 @@ def cmd_import(args: Sequence[str]) -> int:
 def cmd_split(args: Sequence[str]) -> int:
     opts, words = parse_command("split", args, SplitOptions)
     action = words.pop(0) if words else None
-    if action not in ("export", "import") or (action == "export" and words) or (action == "import" and len(words) != 1):
+    if len(words) != {"export": 0, "import": 1}.get(action, -1):  # export takes no FILE, import one
         raise ConfigError(COMMAND_HELP["split"])
     dataset = build_dataset(opts.data)
     print(export_split(opts, dataset) if action == "export" else import_split(opts, words[0], dataset))

@@ -471,8 +471,8 @@ def resolve(sf: SplitFile, dataset: Dataset, *, seed: Optional[int] = None, shot
         under = [f"{dataset.classnames[y]!r} ({c})" for y, c in enumerate(counts) if c < shots]
         if under and not allow_fewer:
             raise SplitFileError(f"{sf.path} holds fewer than shots={shots} training images for {len(under)} "
-                                 f"class(es): {_listing(under, False)}; set data.allow_fewer_shots=true to train on what it "
-                                 f"holds")
+                                 f"class(es): {_listing(under, False)}; set data.allow_fewer_shots=true to train on "
+                                 f"what it holds")
     if sf.val is not None:
         val = ordered(found["val"])
     elif seed is None:  # nothing to draw them with: `fewclip split import` without seed=
@@ -613,14 +613,15 @@ def import_split(opts: SplitOptions, path: str, dataset: Dataset) -> str:
     sf = read_file(path, opts.format)
     split = resolve(sf, dataset, seed=opts.seed, shots=opts.shots, allow_fewer=opts.data.allow_fewer_shots)
     n = len(dataset.classnames)
+    val_note = "" if sf.val is not None else (f" (none in the file: fewclip's draw of seed {opts.seed})"
+                                              if opts.seed is not None else
+                                              " (none in the file: a run draws them with its seed)")
     lines = [f"{sf.path}: {sf.format} split file" + (f" (+ {', '.join(list(sf.files)[1:])})"
                                                      if len(sf.files) > 1 else ""),
              f"  sha256 {sf.files[str(sf.path)]}",
              f"  dataset {dataset.name}: {n} classes, all images found",
              f"  train: {len(split.train)} images, {_per_class(split.train, n)}",
-             ("  val: " + (f"{len(split.val)} images, {_per_class(split.val, n)}" if split.val else "none")
-              + ("" if sf.val is not None else " (none in the file: " + (
-                  f"fewclip's draw of seed {opts.seed})" if opts.seed is not None else "a run draws them with its seed)")))]
+             "  val: " + (f"{len(split.val)} images, {_per_class(split.val, n)}" if split.val else "none") + val_note]
     if opts.seed is not None:
         own = make_few_shot_split(dataset, split.shots, opts.seed, allow_fewer=True)
         same = ([it.id for it in own.train] == [it.id for it in split.train]
