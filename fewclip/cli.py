@@ -28,12 +28,17 @@ COMMAND_HELP = {
     "import": "usage: fewclip import FORMAT CHECKPOINT out=DIR [key=value ...] (`fewclip import` lists the formats)",
     "published": ("usage: fewclip published [method=NAME] [dataset=NAME] [protocol=NAME] [backbone=ARCH/TAG] [shots=N] "
                   "[metric=NAME]: the published results shipped with fewclip, each with its source"),
+    "split": ("usage: fewclip split export data=NAME [data.root=PATH] [shots=16] [seed=1] format=zhou|2sfs|manifest|"
+              "fewclip out=FILE | fewclip split import FILE data=NAME [data.root=PATH] [shots=K] [seed=S]: few-shot "
+              "split files (CoOp's split_zhou JSON, 2SFS JSON lines, manifests); a run trains on one with "
+              "data.fewshot_file=FILE"),
 }
 
 
 # Commands whose options live in a light dataclass: their --help lists them without loading the commands.
 LIGHT_OPTIONS = {"report": ("fewclip.report_options", "ReportOptions"),
-                 "published": ("fewclip.published", "PublishedOptions")}
+                 "published": ("fewclip.published", "PublishedOptions"),
+                 "split": ("fewclip.split_files", "SplitOptions")}
 # Commands that need no torch: run from their own light module (its ``run(command, args)``), not fewclip.commands.
 LIGHT_COMMANDS = {"published": "fewclip.published"}
 
@@ -41,7 +46,7 @@ LIGHT_COMMANDS = {"published": "fewclip.published"}
 QUICK_HELP = ("train", "zeroshot", "sweep", "features")
 
 COMMAND_NAMES = ("backbones", "datasets", "adapters", "zeroshot", "train", "sweep", "report", "export", "predict",
-                 "import", "cache", "features", "published")
+                 "import", "cache", "features", "published", "split")
 
 USAGE = """usage: fewclip COMMAND [file.yaml ...] [key=value ...]
 
@@ -55,6 +60,8 @@ commands:
   sweep        methods x datasets x shots x seeds, resumable: fewclip sweep sweep/demo.yaml out=runs/demo
                on worker processes, Ray or SLURM: launcher=local launcher.workers=4 | launcher=ray | launcher=slurm
   cache        the on-disk feature store shared by runs and sweeps: fewclip cache [list|clear]
+  split        few-shot split files in published formats: fewclip split export data=toy-shapes shots=16 seed=1
+               format=zhou out=split.json; fewclip split import split.json data=toy-shapes; data.fewshot_file=FILE
   report       seed-averaged tables and the accuracy-vs-shots plot: fewclip report runs/demo
   adapters     list the registered adapters (few-shot methods)
   published    the published results of fewclip's methods, with sources: fewclip published method=coop

@@ -16,7 +16,7 @@ from .adapter import ADAPTERS, adapter_info
 from .backbones import describe_backbone_source, list_backbones
 from .cli import COMMAND_HELP  # the usage lines live with the light entry point
 from .config import ConfigError, RunConfig, compose, describe_config, load_config, to_object
-from .data import DATASETS, dataset_name
+from .data import DATASETS, build_dataset, dataset_name
 from .evals import describe_evals
 from .export import export_run, load_prompts
 from .config import FeaturesConfig
@@ -30,6 +30,7 @@ from .report import NoRunsFoundError, write_report
 from .report_options import ReportOptions
 from .run import as_train_config, load_train_config, run_train
 from .store import FeatureStore, matches_dataset, open_store, store_setting, under_root
+from .split_files import SplitOptions, export_split, import_split
 from .sweep import load_sweep_config, run_sweep, sweep_lock
 
 log = logging.getLogger("fewclip")
@@ -332,6 +333,16 @@ def cmd_import(args: Sequence[str]) -> int:
     return 0
 
 
+def cmd_split(args: Sequence[str]) -> int:
+    opts, words = parse_command("split", args, SplitOptions)
+    action = words.pop(0) if words else None
+    if len(words) != {"export": 0, "import": 1}.get(action, -1):  # export takes no FILE, import one
+        raise ConfigError(COMMAND_HELP["split"])
+    dataset = build_dataset(opts.data)
+    print(export_split(opts, dataset) if action == "export" else import_split(opts, words[0], dataset))
+    return 0
+
+
 def cmd_features(args: Sequence[str]) -> int:
     return features_command(args, setup_logging)  # methods on your own features: fewclip.feature_cli
 
@@ -349,6 +360,7 @@ COMMANDS: Dict[str, Callable[[Sequence[str]], int]] = {
     "import": cmd_import,
     "cache": cmd_cache,
     "features": cmd_features,
+    "split": cmd_split,
 }
 
 

@@ -45,7 +45,12 @@ class DataConfig:
         'Folder holding the dataset (for file datasets). For the CoOp benchmark layouts this is the parent folder'
         ' that holds e.g. ``oxford_pets/``.')})
     split_file: Optional[str] = field(default=None, metadata={"help": (
-        "Optional split file (CoOp's ``split_zhou_*.json`` format) overriding the default.")})
+        "Optional split file (CoOp's ``split_zhou_*.json`` format) overriding the dataset's train/val/test split; "
+        "a few-shot split (the images a run trains on) is data.fewshot_file.")})
+    fewshot_file: Optional[str] = field(default=None, metadata={"help": (
+        "A few-shot split file to train on instead of fewclip's seeded draw: CoOp's split_zhou JSON, 2SFS's "
+        "JSON lines, a manifest of image ids or a run's split.json (`fewclip split import FILE` checks one); "
+        "{shots}, {seed} and {dataset} in it are filled in per run. The run records the file and its sha256.")})
     templates: str = field(default="single", metadata={"help": (
         '"single": the dataset\'s first prompt template, the one hand-made template per dataset of CoOp\'s protocol'
         ' (the default of every command and every shipped sweep); "ensemble": all of them, averaged per class.')})

@@ -9,7 +9,7 @@ A run's identity is a digest of three parts (:func:`run_identity`):
   parallel the work is (``IGNORED_CONFIG_KEYS``: ``out``, ``log_level``, ``overwrite``,
   ``data.workers``, ``backbone.cache_dir``), nor keys added later while they hold their defaults
   (``LATER_KEY_DEFAULTS``: ``protocol: fewshot``, ``targets: []``, ``data.reader: null``, ``data.prompts: []``,
-  so earlier runs keep their identity);
+  ``data.fewshot_file: null``, so earlier runs keep their identity);
 * ``weights``: the backbone's weights checksum (the sha256 of its weights file, or of its loaded
   state dict where there is no file, e.g. an open_clip pretrained tag or random init);
 * ``data``: the class names, the prompt templates, the few-shot split (train and validation image
@@ -68,7 +68,7 @@ IGNORED_CONFIG_KEYS = ("out", "log_level", "overwrite", "data.workers", "backbon
 # Keys added to the run config after run records existed: left out of the config part while they hold these
 # defaults, so a finished run keeps its identity when a fewclip that knows the key reads it.
 LATER_KEY_DEFAULTS = {"protocol": "fewshot", "targets": [], "data.reader": None, "data.prompts": [],
-                      "transductive": "none"}
+                      "transductive": "none", "data.fewshot_file": None}
 
 
 class RunError(RunFailure):
@@ -135,13 +135,16 @@ def items_list(items: Sequence[Any]) -> List[List[Any]]:
 def data_part(*, dataset: str, classnames: Sequence[str], templates: Sequence[str], test: Sequence[Any],
               split: Optional[Dict[str, Any]] = None, evals: Optional[Sequence[Dict[str, Any]]] = None
               ) -> Dict[str, Any]:
-    """The ``data`` part of an identity: names, templates, few-shot split (train/val ids) and test ids; ``evals``:
+    """The ``data`` part of an identity: names, templates, few-shot split (train/val ids, and the file it was read
+    from with its sha256) and test ids; ``evals``:
     a protocol's test sets, each a dict of what it holds (JSON-able; test items under ``"test"``)."""
     d = {"dataset": dataset, "classnames": list(classnames), "templates": list(templates),
          "test": items_list(test)}
     if split is not None:
         d["train"] = [list(x) for x in split["train"]]
         d["val"] = [list(x) for x in split["val"]]
+        if split.get("source"):  # read from a file (data.fewshot_file): the file, by its checksum, too
+            d["split_source"] = split["source"]
     if evals is not None:
         d["evals"] = [{**e, "test": items_list(e["test"])} for e in evals]
     return d

@@ -47,6 +47,7 @@ from .protocols import ProtocolPlan, harmonic_mean, make_plan, write_protocol_sp
 from .records import Identity, Run, RunLock, config_dict, data_part, open_run, run_identity, weights_checksum
 from .transductive import rescore_plan
 from .splits import TEST_SUBSET_SEED, FewShotSplit, make_few_shot_split, test_items, write_split
+from .split_files import split_from_file
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +120,7 @@ class RunResources:
 
     # DataConfig fields that say how a dataset is used, not what build_dataset returns: runs that differ only in
     # them share one dataset object (and so its rendered images and cached features).
-    USE_ONLY = ("templates", "allow_fewer_shots", "batch_size", "workers", "max_test")
+    USE_ONLY = ("templates", "allow_fewer_shots", "batch_size", "workers", "max_test", "fewshot_file")
 
     def dataset(self, cfg: DataConfig) -> Dataset:
         key = to_yaml(dataclasses.replace(cfg, **{f: getattr(DataConfig(), f) for f in self.USE_ONLY}))
@@ -140,10 +141,13 @@ class RunResources:
 
 
 def few_shot_split(cfg: TrainRunConfig, plan: ProtocolPlan) -> Optional[FewShotSplit]:
-    """The run's few-shot split, drawn from the plan's training dataset; None for an adapter that trains on
-    nothing."""
+    """The run's few-shot split, drawn from the plan's training dataset or read from ``data.fewshot_file``; None
+    for an adapter that trains on nothing."""
     if not adapter_info(cfg.adapter.name).trains:
         return None
+    if cfg.data.fewshot_file:
+        return split_from_file(cfg.data.fewshot_file, plan.source, plan.train, shots=cfg.shots, seed=cfg.seed,
+                               allow_fewer=cfg.data.allow_fewer_shots)
     return make_few_shot_split(plan.train, cfg.shots, cfg.seed, allow_fewer=cfg.data.allow_fewer_shots)
 
 
@@ -162,14 +166,15 @@ def run_identity_of(cfg: RunConfig, backbone: Backbone, plan, split=None) -> Ide
     test set's dataset, class names, templates, class map and test images. ``plan`` is the run's
     ``ProtocolPlan`` (a ``Dataset`` is taken as the source of ``build_plan``).
 
-    The ``train`` section of an adapter that trains on nothing (zeroshot) is no part of it: a sweep's
-    ``train.*`` arguments do not change its numbers. (Nor are ``protocol`` and ``targets`` at their defaults:
-    ``records.LATER_KEY_DEFAULTS``.)"""
+    The ``train`` section (and ``data.fewshot_file``) of an adapter that trains on nothing (zeroshot) is no part of
+    it: a sweep's ``train.*`` arguments do not change its numbers. (Nor are ``protocol`` and ``targets`` at their
+    defaults: ``records.LATER_KEY_DEFAULTS``.)"""
     if not isinstance(plan, ProtocolPlan):
         plan = build_plan(cfg, plan)
     conf = config_dict(cfg)
     if not adapter_info(conf["adapter"]["name"]).trains:
         conf.pop("train", None)
+        conf.get("data", {}).pop("fewshot_file", None)  # it trains on no images: no split file either
     mode, max_test = cfg.data.templates, cfg.data.max_test
     evals = None
     if plan.protocol != "fewshot":
@@ -266,6 +271,7 @@ def _train(run: Run, cfg: TrainRunConfig, out: Path, backbone: Backbone, plan: P
         "geometry": backbone.geometry.name,
         "shots": cfg.shots,
         **({"shots_per_class": shots_got} if shots_got is not None else {}),
+        **({"split_file": split.source} if split is not None and split.source else {}),
         "seed": cfg.seed,
         "templates": list(adapter.templates),
         "templates_mode": cfg.data.templates,

@@ -112,9 +112,12 @@ class FewShotSplit:
     dataset: str = ""
     classnames: List[str] = field(default_factory=list)
     allow_fewer: bool = False
+    # Where the split was read from (``data.fewshot_file``: path, format, sha256; ``fewclip.split_files``);
+    # None: drawn by ``make_few_shot_split``.
+    source: Optional[Dict[str, Any]] = None
 
     def to_json(self) -> Dict[str, Any]:
-        return {
+        out = {
             "format": SPLIT_FORMAT,
             "dataset": self.dataset,
             "shots": self.shots,
@@ -124,6 +127,9 @@ class FewShotSplit:
             "train": [[it.id, it.label] for it in self.train],
             "val": [[it.id, it.label] for it in self.val],
         }
+        if self.source is not None:
+            out["source"] = dict(self.source)
+        return out
 
     @classmethod
     def from_json(cls, obj: Any, *, source: str = "few-shot split") -> "FewShotSplit":
@@ -150,6 +156,7 @@ class FewShotSplit:
             dataset=obj["dataset"],
             classnames=[str(c) for c in obj.get("classnames", [])],
             allow_fewer=bool(obj.get("allow_fewer_shots", False)),
+            source=obj["source"] if isinstance(obj.get("source"), dict) else None,
         )
 
 
