@@ -42,6 +42,7 @@ from fewclip.engine import CachedFeatures, train_loop
 from ._cache import text_classifier
 from fewclip.state_export import STATE
 from fewclip.adapter import Adapter, AdapterConfig, register_adapter
+from fewclip.presets import Preset, Setting, register_presets
 
 log = logging.getLogger(__name__)
 
@@ -126,3 +127,17 @@ class Clap(Adapter):
 
 
 register_adapter("clap", ClapConfig, Clap, export=STATE)
+
+CLAP_REPO = "jusiro/CLAP@dbdf409"
+register_presets(
+    "clap",
+    Preset("authors", "CLAP's released code (trainers/adapters.py, configs/trainers/SGD_lr1e-1_B256_ep300.yaml); "
+                      "fewclip's defaults are theirs (tests/test_cache_parity.py)",
+           not_expressed=(f"their epoch: ceil(N/256) batches from a shuffle of all 20 views pooled into one training "
+                          f"set ({CLAP_REPO} trainers/adapters.py:435-447); fewclip's epoch e trains on view e mod 20 "
+                          f"(as many steps, each on one view)",)),
+    Preset("zslp", "the ZS-LP baseline of CLAP's repository (the same probe, cross-entropy only)", settings=(
+        Setting("adapter.constraint", "none", f"{CLAP_REPO} experiments/experiment_ZSLP.txt:2",
+                "ZS-LP is CLAP's probe without the class-adaptive penalty (INIT ZS, CONSTRAINT none)"),),
+        not_expressed=(f"the pooled views of CLAP's epoch ({CLAP_REPO} trainers/adapters.py:435-447)",)),
+)

@@ -28,6 +28,7 @@ from .locks import RunLock
 from .progress import progress
 from .protocols import PROTOCOLS, TRANSFER_PROTOCOLS
 from .records import Identity, RunState, prepare_dir, remove_leftovers, run_state, tidy
+from .presets import FEWCLIP, method_label, parse_label, preset_name_of
 from .run import adapter_name_of, few_shot_split, load_train_config, run_identity_of
 from .store import store_setting
 
@@ -44,7 +45,8 @@ class SweepSpec:
         "after its folder; {name: cars, reader: folder, root: PATH, templates: single}) or a YAML piece with a "
         "`data:` section (fewclip.dataset_entries). Runs, tables and folders know each by its dataset's name.")})
     methods: List[str] = field(default_factory=lambda: ["zeroshot", "coop"], metadata={"help": (
-        'A registered adapter name ("zeroshot", "coop", ...) or a label defined in `variants`.')})
+        'A registered adapter name ("zeroshot", "coop", ...), one with a preset ("tip_adapter[authors]": '
+        'adapter=tip_adapter preset=authors; folder tip_adapter-authors) or a label defined in `variants`.')})
     shots: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
     seeds: List[int] = field(default_factory=lambda: [1, 2, 3])
     args: List[str] = field(default_factory=list, metadata={"help": (
@@ -135,23 +137,38 @@ def plan_sweep(spec: SweepSpec) -> List[Dict[str, Any]]:
             named, own = (entry.args, ()) if entry.args[0].startswith("data=") else ((), entry.args)
             for method in spec.methods:
                 base = [f"backbone={bb}", *named, *proto, *spec.backbone_args.get(bb, []), *spec.args, *own]
-                margs = spec.variants.get(method, [f"adapter={method}"])
+                margs, label = _method_args(spec, method, base)
                 try:
                     untrained = not adapter_info(adapter_name_of(margs)).trains
                 except ValueError as e:
                     raise ConfigError(f"sweep method {method!r}: {e}") from None
+                method_dir = label.replace("[", "-").replace("]", "")
                 if untrained:  # nothing to train: one run, at 0 shots
-                    runs.append({"protocol": protocol, "backbone": bb, "dataset": ds, "method": method, "shots": 0,
+                    runs.append({"protocol": protocol, "backbone": bb, "dataset": ds, "method": label, "shots": 0,
                                  "seed": 1, "args": [*base, *margs, "shots=0"],
-                                 "dir": root / _safe(bb) / ds / method})
+                                 "dir": root / _safe(bb) / ds / method_dir})
                     continue
                 for k in spec.shots:
                     for s in spec.seeds:
-                        runs.append({"protocol": protocol, "backbone": bb, "dataset": ds, "method": method,
+                        runs.append({"protocol": protocol, "backbone": bb, "dataset": ds, "method": label,
                                      "shots": k, "seed": s,
                                      "args": [*base, *margs, f"shots={k}", f"seed={s}"],
-                                     "dir": root / _safe(bb) / ds / method / f"{k}shot" / f"seed{s}"})
+                                     "dir": root / _safe(bb) / ds / method_dir / f"{k}shot" / f"seed{s}"})
     return runs
+
+
+def _method_args(spec: SweepSpec, method: str, base: Sequence[str]):
+    """A sweep method's arguments and its label: a variant's own list, ``NAME[PRESET]`` -> adapter=NAME
+    preset=PRESET, else adapter=NAME. A preset from the sweep's args or a variant's list shows in the label
+    (``coop[authors]``), so tables and folders tell runs of different presets apart."""
+    if method in spec.variants:
+        margs = list(spec.variants[method])
+    else:
+        name, preset = parse_label(method)
+        margs = [f"adapter={name}"] + ([f"preset={preset}"] if method.endswith("]") else [])
+    preset = preset_name_of([*base, *margs])
+    label = method if preset == FEWCLIP or method.endswith("]") else method_label(method, preset)
+    return margs, label
 
 
 @dataclass
