@@ -98,6 +98,7 @@ def load_train_config(args: Sequence[str]) -> TrainRunConfig:
     except OmegaConfBaseException as e:
         raise ConfigError(f"preset {preset.name!r} of adapter {name!r} does not fit its config ({e}); fix the "
                           f"preset's register_presets line") from None
+    OmegaConf.set_struct(base.preset_set, False)  # a run's config.yaml given back holds what its preset set
     composed = compose(TrainRunConfig, args, base=base)
     check_test_choice(name, composed.train.select)
     cfg = to_object(composed)
