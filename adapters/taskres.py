@@ -83,8 +83,8 @@ register_presets(
         "100 epochs at 1, 2, 4 shots and 200 at 8, 16 (geekyutao/TaskRes@5195359 configs/trainers/TaskRes/"
         "adam_lr2e-3_B256_ep100.yaml:20, scripts/taskres/main.sh); fewclip's CoOp schedule differs at 1 shot (50): "
         "add train.epochs=100 there",
-        "RESIDUAL_SCALE 1.0 for Flowers102 (geekyutao/TaskRes@5195359 scripts/taskres/main.sh:12): add "
-        "adapter.scale=1.0 there")),
+        "RESIDUAL_SCALE is an argument of each of their runs (geekyutao/TaskRes@5195359 scripts/taskres/main.sh:12; "
+        "eval.sh:10 sets 0.5, fewclip's default): set adapter.scale per dataset")),
     Preset("clap", "TaskRes as CLAP's repository re-runs it (INIT TR), which many papers quote", settings=(
         Setting("train.optimizer", "sgd", f"{CLAP_CFG}:16", "CLAP's one config for every method"),
         Setting("train.lr", 0.1, f"{CLAP_CFG}:17", "CLAP's one config for every method"),
