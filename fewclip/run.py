@@ -37,7 +37,8 @@ from safetensors.torch import save_file
 
 from .adapter import AdapterConfig, adapter_info, build_adapter
 from .backbones import Backbone, BackboneConfig, load_backbone
-from .config import ConfigError, RunConfig, compose, find_yaml, load_yaml, section_name_of, split_args, to_object, to_yaml
+from .config import (ConfigError, RunConfig, compose, find_yaml, load_yaml, section_name_of, split_args, to_object,
+                     to_yaml)
 from .cost import RunCost
 from .data import DataConfig, Dataset, build_dataset
 from .engine import RunFeatures, TrainConfig, evaluate, fit_adapter
@@ -294,7 +295,7 @@ def _train(run: Run, cfg: TrainRunConfig, out: Path, backbone: Backbone, plan: P
         atomic_write(out / "adapter.safetensors", lambda tmp: save_file(sd, tmp, metadata=meta))
         files.append("adapter.safetensors")
     metrics.update({
-        "method": method or method_label(cfg.adapter.name, cfg.preset),
+        "method": method or (method_label(cfg.adapter.name, cfg.preset) if split is not None else cfg.adapter.name),
         "adapter": cfg.adapter.name,
         "preset": cfg.preset,
         "protocol": plan.protocol,

@@ -142,6 +142,7 @@ def plan_sweep(spec: SweepSpec) -> List[Dict[str, Any]]:
                     untrained = not adapter_info(adapter_name_of(margs)).trains
                 except ValueError as e:
                     raise ConfigError(f"sweep method {method!r}: {e}") from None
+                label = method if untrained else label  # zero-shot stays the report's baseline under any preset
                 method_dir = label.replace("[", "-").replace("]", "")
                 if untrained:  # nothing to train: one run, at 0 shots
                     runs.append({"protocol": protocol, "backbone": bb, "dataset": ds, "method": label, "shots": 0,

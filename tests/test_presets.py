@@ -146,9 +146,10 @@ def test_sweep_cells_carry_presets():
     assert "preset=authors" in runs["tip_adapter[authors]"]["args"]
     assert runs["tip_adapter[authors]"]["dir"].parts[2] == "tip_adapter-authors"
     assert load_train_config(runs["ivlp_m[maple]"]["args"]).adapter.depth_text == 12
-    every = plan_sweep(SweepSpec(datasets=["toy-shapes"], methods=["coop", "lpp"], shots=[1], seeds=[1],
+    every = plan_sweep(SweepSpec(datasets=["toy-shapes"], methods=["zeroshot", "coop", "lpp"], shots=[1], seeds=[1],
                                  args=["preset=authors"]))
-    assert [r["method"] for r in every] == ["coop[authors]", "lpp[authors]"]
+    # zero-shot trains nothing: it keeps its name, the baseline the report's gains are measured from
+    assert [r["method"] for r in every] == ["zeroshot", "coop[authors]", "lpp[authors]"]
     assert parse_label("lpp[authors]") == ("lpp", "authors") and parse_label("lpp") == ("lpp", FEWCLIP)
 
 
