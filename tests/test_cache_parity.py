@@ -71,10 +71,11 @@ def maxdiff(a, b):
     return d
 
 
-def authors_config(name, **sizing):
-    """The method's adapter config under ``preset=authors``, built as ``fewclip train adapter=NAME preset=authors``
-    builds it (``sizing``: fields the fixture's small problem sets, e.g. the number of epochs)."""
-    cfg = load_train_config([f"adapter={name}", "preset=authors"]).adapter
+def authors_config(name, preset="authors", **sizing):
+    """The method's adapter config under ``preset=authors`` (or another of the authors' presets), built as
+    ``fewclip train adapter=NAME preset=authors`` builds it (``sizing``: fields the fixture's small problem sets,
+    e.g. the number of epochs)."""
+    cfg = load_train_config([f"adapter={name}", f"preset={preset}"]).adapter
     return dataclasses.replace(cfg, **sizing)
 
 
@@ -305,7 +306,7 @@ def dassl_lr(e, base=0.1, epochs=300):
 @pytest.mark.parametrize("constraint", ["l2", "none"])
 def test_clap_multipliers_and_first_epochs_equal_the_authors(constraint):
     t, m = fixture("clap")
-    ad, _ = build(Clap, ClapConfig(constraint=constraint), t["text_raw"])
+    ad, _ = build(Clap, authors_config("clap", "authors" if constraint == "l2" else "zslp"), t["text_raw"])
     V, N, D = t["train_views_raw"].shape
     X, Y = t["train_views_raw"].reshape(V * N, D), t["train_labels"].repeat(V)  # rep-major, as the authors
     with torch.no_grad():

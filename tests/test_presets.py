@@ -1,7 +1,7 @@
 """Presets (fewclip.presets): every method's named settings, how a run takes them, and where they show.
 
 The parity tests take the authors' settings from ``preset=authors`` where it sets any field (Tip-Adapter,
-Tip-Adapter-F and LP++ in test_cache_parity.py; GDA, ProKeR and ProLIP in test_gda_proker_prolip.py); for
+Tip-Adapter-F, LP++ and CLAP's ZS-LP (preset=zslp) in test_cache_parity.py; GDA, ProKeR and ProLIP in test_gda_proker_prolip.py); for
 every other method with an ``authors`` preset, the test below shows the preset leaves fewclip's defaults as
 they are, which are the configs the parity tests run against the authors' numbers.
 """
@@ -76,6 +76,9 @@ def test_authors_preset_is_what_the_parity_tests_run(name):
     else:
         assert not preset.settings, f"{name}: move its parity test onto the preset (authors_config)"
         assert (authors.adapter, authors.train) == (plain.adapter, plain.train)
+    if name == "clap":  # the authors' ZS-LP baseline: CLAP's parity test runs it through preset=zslp
+        assert '"zslp"' in (Path(__file__).parent / "test_cache_parity.py").read_text()
+        assert with_preset("clap", "zslp").adapter.constraint == "none"
 
 
 def test_explicit_arguments_win_over_the_preset(tmp_path):
