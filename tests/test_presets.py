@@ -7,6 +7,7 @@ they are, which are the configs the parity tests run against the authors' number
 """
 import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from fewclip.adapter import ADAPTERS, adapter_info
+from fewclip.adapters.clap import Clap, PooledViews
 from fewclip.cli import main
 from fewclip.config import ConfigError
 from fewclip.engine import FitData, TrainConfig
@@ -27,7 +29,7 @@ from test_cache_parity import FeatureBackbone, fixture
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 # Methods with the authors' settings in their parity tests, and where those tests are.
-PARITY_BY_PRESET = {"tip_adapter": "test_cache_parity", "tip_adapter_f": "test_cache_parity",
+PARITY_BY_PRESET = {"tip_adapter": "test_cache_parity", "tip_adapter_f": "test_cache_parity", "clap": "test_cache_parity",
                     "lpp": "test_cache_parity", "gda": "test_gda_proker_prolip", "proker": "test_gda_proker_prolip",
                     "prolip": "test_gda_proker_prolip"}
 OWN_METHODS = {"zs_probe"}  # fewclip's own: no authors' code, so no authors preset
@@ -121,8 +123,8 @@ def test_adapters_name_lists_each_presets_differences_with_sources(capsys):
     assert re.search(r"adapter\.depth_text: 9 -> 12 +\[muzairkhattak/multimodal-prompt-learning@69bce21 "
                      r"configs/trainers/IVLP/vit_b16_c2_ep5_batch4_2\+2ctx\.yaml:39\]", out)
     assert "train.lr: 0.0025 -> 0.0035" in out
-    assert main(["adapters", "clap"]) == 0
-    assert "not expressed: their epoch: ceil(N/256) batches" in capsys.readouterr().out
+    assert main(["adapters", "taskres"]) == 0
+    assert "not expressed: CLAP's epoch of pooled augmented views" in capsys.readouterr().out
     assert main(["adapters"]) == 0
     assert "presets: fewclip, authors, clap (`fewclip adapters taskres`" in capsys.readouterr().out
 
@@ -170,6 +172,32 @@ def test_lpp_bias_init_linear_draws_the_code_default_from_the_run_generator():
     D = train.x.shape[1]
     assert torch.equal(biases[0], biases[1]) and not torch.equal(biases[0], biases[2])
     assert float(biases[0].abs().max()) <= D ** -0.5 and float(biases[0].std()) > 0
+
+
+def test_clap_pooled_views_batch_as_the_authors_trainer():
+    """preset=authors pools the 20 views: an epoch is ceil(N/256) batches of 256 drawn from all 20 N features (the
+    authors' batch for their shuffle is the same rows of the same view-major pool), where fewclip's default trains
+    epoch e on view e mod 20 alone."""
+    t, m = fixture("clap")
+    V, N, D = t["train_views_raw"].shape
+    views = [Features(t["train_views_raw"][v], t["train_labels"]) for v in range(V)]
+    pooled = PooledViews(views, Features(views[0].x[:0], views[0].y[:0]))
+    X, Y = t["train_views_raw"].reshape(V * N, D), t["train_labels"].repeat(V)
+    idx = t["batch_idx"][0]  # the authors' first batch: rows of their pool
+    assert torch.equal(pooled.batch(0, idx), X[idx]) and torch.equal(pooled.labels[idx], Y[idx])
+    bb = FeatureBackbone(t["text_raw"])
+    sizes = {}
+    for preset in ("fewclip", "authors"):
+        cfg = with_preset("clap", preset, "train.epochs=3")
+        ad = Clap(cfg.adapter, bb, bb.names, ["{}"]).float()
+        seen = []
+        loss = ad.training_loss
+        ad.training_loss = lambda x, y: (seen.append(len(y)), loss(x, y))[1]
+        info = ad.fit(FitData(views[0], views, Features(views[0].x[:0], views[0].y[:0]), cfg.train, 4,
+                              torch.Generator().manual_seed(0)))
+        assert info["steps"] == 3 * math.ceil(N / 256)  # as many steps either way
+        sizes[preset] = seen
+    assert sizes == {"fewclip": [N] * 3, "authors": [min(256, V * N)] * 3}
 
 
 def test_a_plugin_registers_presets_and_bad_ones_fail_early():
