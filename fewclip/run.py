@@ -74,6 +74,7 @@ class TrainRunConfig(RunConfig):
             raise ValueError(f"adapter {self.adapter.name!r} trains on no images: shots must be 0, got {self.shots}")
         if not untrained and self.shots < 1:
             raise ValueError(f"shots must be >= 1, got {self.shots}")
+        get_preset(self.adapter.name, self.preset)  # a known name (load_train_config applies its values)
 
 
 def adapter_name_of(args: Sequence[str]) -> str:
