@@ -20,7 +20,9 @@ weight decay, cosine after one warm-up epoch at 1e-5, batch 256, 300 epochs, las
 augmented views of each training image (the authors' ``epochs_aumentation``, here the run's shared views 0-19,
 the same Tip-Adapter-F uses). An epoch of the authors' code is ``ceil(N / 256)`` batches drawn from a
 permutation of all 20 N augmented features; an epoch here is the N images of one view (view e mod 20) in
-``ceil(N / 256)`` batches: as many steps, each on one view instead of a mix of views.
+``ceil(N / 256)`` batches: as many steps, each on one view instead of a mix of views. ``pool_views=true``
+(``preset=authors``) trains as their trainer does: each epoch the first ``ceil(N / 256)`` batches of a fresh
+shuffle of all 20 N features (``PooledViews``).
 
 Geometry: as TaskRes, the class points are ``geometry.embed_text(w)`` and the penalty is measured in the text
 tower's output space (``fewclip.adapters.taskres``; ``base`` is the raw-space preimage of the run's
@@ -37,11 +39,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fewclip.engine import CachedFeatures, train_loop
+from fewclip.engine import CachedFeatures, FeatureSource, train_loop
+from fewclip.features import Features
 
 from ._cache import text_classifier
 from fewclip.state_export import STATE
 from fewclip.adapter import Adapter, AdapterConfig, register_adapter
+from fewclip.presets import Preset, Setting, register_presets
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,9 @@ class ClapConfig(AdapterConfig):
         "Augmented views of each training image trained on (the authors' epochs_aumentation).")})
     constraint: str = field(default="l2", metadata={"help": (
         '"l2": CLAP\'s class-adaptive penalty; "none": ZS-LP (cross-entropy only).')})
+    pool_views: bool = field(default=False, metadata={"help": (
+        "Pool every view of every training image into one training set, an epoch being ceil(N / batch) batches of "
+        "a shuffle of all of them (the authors' trainer); false: epoch e trains on view e mod views.")})
 
     def __post_init__(self) -> None:
         if self.views < 1:
@@ -69,6 +76,29 @@ def class_multipliers(zs_logits: Tensor, labels: Tensor, n_classes: int) -> Tens
     onehot = F.one_hot(labels, n_classes).to(zs_logits.dtype)  # [N, C]
     p = zs_logits.softmax(-1)
     return (p * onehot).sum(0) / onehot.sum(0).clamp_min(1)
+
+
+class PooledViews(FeatureSource):
+    """Every view of every training image as one training set (the authors' trainer): an epoch is the first
+    ``ceil(N / batch)`` batches of a fresh shuffle of all V x N features, N the training images."""
+
+    def __init__(self, views: Sequence[Features], val: Features):
+        self.x = torch.cat([v.x for v in views])  # [V N, D], view-major
+        self.labels = torch.cat([v.y for v in views])
+        self.images, self.val = len(views[0].y), val
+
+    @property
+    def epoch_size(self) -> int:
+        return self.images
+
+    def batch(self, epoch: int, idx: Tensor) -> Tensor:
+        return self.x[idx]
+
+    def frozen(self, epoch: int, idx: Tensor) -> Tensor:
+        return self.x[idx]  # cached features are the frozen tower's
+
+    def validation(self) -> Features:
+        return self.val
 
 
 class Clap(Adapter):
@@ -121,8 +151,22 @@ class Clap(Adapter):
         with torch.no_grad():
             self.weight.copy_(self.base)
         self.set_multipliers(torch.cat([v.x for v in views]), torch.cat([v.y for v in views]))
-        info = train_loop(self, CachedFeatures(views, data.val), data.cfg, data.shots, data.generator)
+        source = PooledViews(views, data.val) if self.cfg.pool_views else CachedFeatures(views, data.val)
+        info = train_loop(self, source, data.cfg, data.shots, data.generator)
         return {**info, "multipliers": [round(float(m), 6) for m in self.multipliers]}
 
 
 register_adapter("clap", ClapConfig, Clap, export=STATE)
+
+CLAP_REPO = "jusiro/CLAP@dbdf409"
+register_presets(
+    "clap",
+    Preset("authors", "CLAP's released code (trainers/adapters.py, configs/trainers/SGD_lr1e-1_B256_ep300.yaml)",
+           settings=(Setting("adapter.pool_views", True, f"{CLAP_REPO} trainers/adapters.py:431-447",
+                             "their epoch: ceil(N/256) batches of a shuffle of all 20 views pooled into one set"),)),
+    Preset("zslp", "the ZS-LP baseline of CLAP's repository (the same probe, cross-entropy only)", settings=(
+        Setting("adapter.constraint", "none", f"{CLAP_REPO} experiments/experiment_ZSLP.txt:2",
+                "ZS-LP is CLAP's probe without the class-adaptive penalty (INIT ZS, CONSTRAINT none)"),
+        Setting("adapter.pool_views", True, f"{CLAP_REPO} trainers/adapters.py:431-447",
+                "their epoch: ceil(N/256) batches of a shuffle of all 20 views pooled into one set"),)),
+)

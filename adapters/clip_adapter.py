@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from ._cache import text_classifier
 from fewclip.state_export import STATE
 from fewclip.adapter import Adapter, AdapterConfig, register_adapter
+from fewclip.presets import Preset, Setting, register_presets
 
 
 @dataclass
@@ -102,3 +103,16 @@ class ClipAdapter(Adapter):
 
 
 register_adapter("clip_adapter", ClipAdapterConfig, ClipAdapter, export=STATE)
+
+CLAP_CFG = "jusiro/CLAP@dbdf409 configs/trainers/SGD_lr1e-1_B256_ep300.yaml"
+register_presets(
+    "clip_adapter",
+    Preset("authors", "CLIP-Adapter's released code (clip_adapter.py), which gives no optimiser settings and points "
+                      "to CoOp's; fewclip's defaults are those (tests/test_cache_parity.py)"),
+    Preset("clap", "CLIP-Adapter as CLAP's repository re-runs it (INIT ClipA), which many papers quote", settings=(
+        Setting("train.lr", 0.1, f"{CLAP_CFG}:17", "CLAP's one config for every method"),
+        Setting("train.weight_decay", 0.0, f"{CLAP_CFG}:23", "CLAP's one config for every method"),
+        Setting("train.batch_size", 256, f"{CLAP_CFG}:3", "CLAP's one config for every method"),
+        Setting("train.epochs", 300, f"{CLAP_CFG}:18", "CLAP's one config for every method"),),
+        not_expressed=("CLAP's epoch of pooled augmented views (jusiro/CLAP@dbdf409 trainers/adapters.py:435-447)",)),
+)

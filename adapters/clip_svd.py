@@ -34,6 +34,7 @@ from fewclip.attention import pack_split_state, parse_layers, split_attention
 from ._towers import (TARGETS, TOWER, TOWERS, TowerWeightsAdapter, check_tower_targets, replace_module,  # noqa: F401
                       shared_copy, target_list, tower_blocks)
 from fewclip.adapter import AdapterConfig, AdapterError, register_adapter
+from fewclip.presets import Preset, Setting, register_presets
 
 _MODULES = {"q": ("attn.q_proj",), "k": ("attn.k_proj",), "v": ("attn.v_proj",), "o": ("attn.out_proj",),
             "mlp": ("mlp.c_fc", "mlp.c_proj")}
@@ -163,3 +164,14 @@ class ClipSVD(TowerWeightsAdapter):
 
 
 register_adapter("clip_svd", ClipSVDConfig, ClipSVD, export=TOWER)
+
+register_presets(
+    "clip_svd",
+    Preset("authors", "CLIP-SVD's few-shot configs (configs/few_shot/*.yaml): fewclip's defaults "
+                      "(tests/test_tower_parity.py)"),
+    Preset("base2new", "CLIP-SVD's base-to-novel configs", settings=(
+        Setting("train.lr", 4e-4, "HealthX-Lab/CLIP-SVD@022b1ed configs/base2new/imagenet.yaml:2",
+                "their base-to-novel learning rate (every dataset)"),),
+        not_expressed=("train_epochs per dataset (HealthX-Lab/CLIP-SVD@022b1ed configs/base2new/<dataset>.yaml:3, "
+                       "e.g. 10 ImageNet, 20 DTD): set train.epochs",)),
+)

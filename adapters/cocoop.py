@@ -37,6 +37,7 @@ from ._family import default_linear, learned_for_classnames, text_output_dim
 from ._prompts import packed_suffix_rows
 from fewclip.state_export import STATE
 from fewclip.adapter import AdapterError, register_adapter
+from fewclip.presets import Preset, register_presets
 from .coop import CoOp, CoOpConfig
 
 META_INITS = ("default", "zero")
@@ -188,3 +189,9 @@ class CoCoOp(CoOp):
 
 
 register_adapter("cocoop", CoCoOpConfig, CoCoOp, export=STATE)
+
+register_presets(
+    "cocoop",
+    Preset("authors", "CoCoOp's vit_b16_c4_ep10_batch1_ctxv1 config: fewclip's defaults "
+                      "(tests/test_prompt_parity.py)"),
+)

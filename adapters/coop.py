@@ -35,6 +35,7 @@ import torch.nn as nn
 from ._prompts import POSITIONS, packed_suffixes, shared_prefix_length
 from ._text import TextTower, class_prompts, pad_sequences
 from fewclip.adapter import Adapter, AdapterConfig, AdapterError, register_adapter
+from fewclip.presets import Preset, register_presets
 from .coop_export import PROMPTS
 
 
@@ -249,3 +250,9 @@ class CoOp(Adapter):
 
 
 register_adapter("coop", CoOpConfig, CoOp, export=PROMPTS)
+
+register_presets(
+    "coop",
+    Preset("authors", "CoOp's released configs (KaiyangZhou/CoOp configs/trainers/CoOp/*.yaml): "
+                      "fewclip's defaults (tests/test_prompt_parity.py)"),
+)

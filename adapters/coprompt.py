@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from ._family import text_output_dim
 from fewclip.state_export import STATE
 from fewclip.adapter import AdapterError, register_adapter
+from fewclip.presets import Preset, register_presets
 from .maple import MaPLe, MaPLeConfig
 
 log = logging.getLogger(__name__)
@@ -233,3 +234,12 @@ class CoPrompt(MaPLe):
 
 
 register_adapter("coprompt", CoPromptConfig, CoPrompt, export=STATE)
+
+register_presets(
+    "coprompt",
+    Preset("authors", "CoPrompt's configs/trainers/coprompt.yaml: fewclip's defaults "
+                      "(tests/test_towers2_parity.py)", not_expressed=(
+        "a second random view through RandAugment for the frozen image features (ShuvenduRoy/CoPrompt"
+        " K_TRANSFORMS 2); fewclip uses the batch's cached view",
+    )),
+)

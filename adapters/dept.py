@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from ._family import default_linear, text_output_dim
 from fewclip.state_export import STATE
 from fewclip.adapter import Adapter, AdapterConfig, AdapterError, register_adapter
+from fewclip.presets import Preset, Setting, register_presets
 from .coop import CoOp, CoOpConfig
 from .maple import MaPLe, MaPLeConfig
 
@@ -197,3 +198,15 @@ class DePT(Adapter):
 
 
 register_adapter("dept", DePTConfig, DePT, export=STATE)
+
+DEPT_MAPLE = "Koorye/DePT@d4ff416 configs/trainers/ExtrasLinearProbeMaPLe/vit_b16_c2_ep10_batch4_2ctx.yaml"
+register_presets(
+    "dept",
+    Preset("authors", "DePT on CoOp, their ExtrasLinearProbeCoOp config (vit_b16_ep10_bs4_lr35.yaml): fewclip's "
+                      "defaults (tests/test_towers2_parity.py)", not_expressed=(
+        "their cosine schedule steps once per epoch; fewclip's per iteration",)),
+    Preset("maple", "DePT on MaPLe, their ExtrasLinearProbeMaPLe config", settings=(
+        Setting("adapter.learner", "maple", "Koorye/DePT@d4ff416 trainers/elp_maple.py", "the MaPLe prompt learner"),
+        Setting("adapter.n_ctx", 2, f"{DEPT_MAPLE}:33", "MaPLe's 2 tokens"),
+        Setting("adapter.ctx_init", "a photo of a", f"{DEPT_MAPLE}:34", "MaPLe's word init"),)),
+)

@@ -38,6 +38,7 @@ from torch import Tensor
 from ._cache import TIE_BREAKS, choose, scored, text_classifier
 from fewclip.state_export import STATE
 from fewclip.adapter import Adapter, AdapterConfig, register_adapter
+from fewclip.presets import Preset, Setting, register_presets
 from .linear_probe import probe_features
 
 log = logging.getLogger(__name__)
@@ -151,3 +152,13 @@ class GDA(Adapter):
 
 
 register_adapter("gda", GDAConfig, GDA, export=STATE)
+
+register_presets(
+    "gda",
+    Preset("authors", "GDA's released code (main_few_shots.py:run, configs/few_shots/*.yaml)", settings=(
+        Setting("adapter.tie_break", "first", "mrflogs/ICLR24@560fe21 main_few_shots.py:74",
+                "their search keeps the first best alpha (strict >); fewclip the lowest validation loss"),),
+        not_expressed=("the search on the dataset's whole validation split (mrflogs/ICLR24@560fe21 "
+                       "main_few_shots.py:70-76); fewclip searches its few-shot validation split",)),
+    on_test=("GDA's authors search alpha on ImageNet's test set (val_features = test_features), "
+             "mrflogs/ICLR24@560fe21 main_few_shots.py:137"))

@@ -32,6 +32,7 @@ import torch.nn as nn
 from ._deep import DeepPromptAdapter, normal, vision_transformer
 from fewclip.state_export import STATE
 from fewclip.adapter import AdapterConfig, AdapterError, register_adapter
+from fewclip.presets import Preset, Setting, register_presets
 
 
 @dataclass
@@ -113,3 +114,17 @@ class IVLP(DeepPromptAdapter):
 
 
 register_adapter("ivlp", IVLPConfig, IVLP, export=STATE)
+
+MAPLE_IVLP = "muzairkhattak/multimodal-prompt-learning@69bce21 configs/trainers/IVLP/vit_b16_c2_ep5_batch4_2+2ctx.yaml"
+register_presets(
+    "ivlp",
+    Preset("authors", "the PromptSRC repository's IVLP (muzairkhattak/PromptSRC@bb95c77 configs/trainers/IVLP/"
+                      "vit_b16_c2_ep20_batch4_4+4ctx.yaml): fewclip's defaults"),
+    Preset("maple", "the MaPLe repository's IVLP, the MaPLe paper's baseline", settings=(
+        Setting("adapter.n_ctx_text", 2, f"{MAPLE_IVLP}:35", "MaPLe's IVLP config"),
+        Setting("adapter.n_ctx_vision", 2, f"{MAPLE_IVLP}:34", "MaPLe's IVLP config"),
+        Setting("adapter.depth_text", 12, f"{MAPLE_IVLP}:39", "MaPLe's IVLP config"),
+        Setting("adapter.depth_vision", 12, f"{MAPLE_IVLP}:38", "MaPLe's IVLP config"),
+        Setting("train.lr", 0.0035, f"{MAPLE_IVLP}:18", "MaPLe's IVLP config"),
+        Setting("train.epochs", 5, f"{MAPLE_IVLP}:19", "MaPLe's IVLP config"),)),
+)

@@ -26,6 +26,7 @@ import torch
 from ._family import learned_for_classnames, loss_near_teacher, zero_shot_points
 from fewclip.state_export import STATE
 from fewclip.adapter import register_adapter
+from fewclip.presets import Preset, register_presets
 from .coop import CoOp, CoOpConfig
 
 
@@ -62,3 +63,12 @@ class KgCoOp(CoOp):
 
 
 register_adapter("kgcoop", KgCoOpConfig, KgCoOp, export=STATE)
+
+register_presets(
+    "kgcoop",
+    Preset("authors", "KgCoOp's vit_b16_ep100_ctxv1 config and scripts: fewclip's defaults "
+                      "(tests/test_prompt_parity.py)", not_expressed=(
+        "one hand-made template per dataset for the teacher (htyao89/KgCoOp trainers/kgcoop.py): add "
+        "data.templates=single",
+    )),
+)

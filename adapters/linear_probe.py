@@ -125,6 +125,7 @@ from fewclip.geometry import Geometry
 
 from fewclip.state_export import STATE
 from fewclip.adapter import Adapter, AdapterConfig, register_adapter
+from fewclip.presets import Preset, Setting, register_presets
 
 log = logging.getLogger(__name__)
 
@@ -463,3 +464,14 @@ class ZSProbe(Adapter):
 
 register_adapter("linear_probe", LinearProbeConfig, LinearProbe, export=STATE)
 register_adapter("zs_probe", ZSProbeConfig, ZSProbe, export=STATE)
+
+register_presets(
+    "linear_probe",
+    Preset("authors", "CoOp's linear-probe baseline (KaiyangZhou/CoOp lpclip/linear_probe.py): fewclip's refit on "
+                      "the few-shot training set", not_expressed=(
+        "scikit-learn's probe on the raw, unnormalised features (CoOp lpclip/linear_probe.py); fewclip's probe sees "
+        "the geometry's linear features (the unit vector for CLIP)",)),
+    Preset("clip", "the CLIP paper's probe", settings=(
+        Setting("adapter.refit", "train+val", "Radford et al. 2021, Appendix A.3",
+                "CLIP refits the classifier on training and validation images at the chosen C"),)),
+)

@@ -51,6 +51,7 @@ from ._text import TextTower
 from ._towers import (TARGETS, TOWERS, TowerPrototypes, check_tower_targets, shared_copy,  # noqa: F401
                       target_list, tower_blocks)
 from fewclip.adapter import Adapter, AdapterConfig, AdapterError, register_adapter
+from fewclip.presets import Preset, register_presets
 from .lora_export import LORA
 
 log = logging.getLogger(__name__)
@@ -251,3 +252,9 @@ class LoRA(TowerPrototypes, Adapter):
 
 
 register_adapter("lora", LoRAConfig, LoRA, export=LORA)
+
+register_presets(
+    "lora",
+    Preset("authors", "CLIP-LoRA's released recipe (rank 2, alpha 1, dropout 0.25, AdamW 2e-4, weight"
+                      " decay 1e-2, 500 x shots iterations): fewclip's defaults (tests/test_lora.py)"),
+)

@@ -13,7 +13,7 @@ paper's ``f^T (w_c + alpha_c t_c)``; the code adds a bias). What the code does, 
   the division by the count commented out), ``alpha`` at one scalar for every class,
   ``250 * mean over classes of the mean similarity of a class's images to its own text`` (the paper
   describes class-wise values; the code averages them). fewclip starts ``b`` at 0 (the code leaves
-  ``nn.Linear``'s random bias, which the paper does not have).
+  ``nn.Linear``'s random bias, which the paper does not have; ``bias_init="linear"`` draws it as the code).
 * Step sizes from the training features (no learning-rate search): ``lr_w = 4 N / lambda_max(F^T F)`` and
   ``lr_alpha = N / (4 max_c sum_i s(x_i, t_c)^2)``.
 * 300 full-batch epochs: SGD with momentum 0.9 at ``lr_w`` on ``W`` and ``b`` every epoch (the paper's
@@ -59,12 +59,14 @@ from fewclip.features import progress
 from ._cache import text_classifier
 from fewclip.state_export import STATE
 from fewclip.adapter import Adapter, AdapterConfig, register_adapter
+from fewclip.presets import Preset, Setting, register_presets
 from .linear_probe import probe_features
 
 log = logging.getLogger(__name__)
 
 INITS = ("lpp", "zeroshot")
 ALPHA_GRADS = ("last", "accumulated")
+BIAS_INITS = ("zero", "linear")
 
 
 @dataclass
@@ -81,6 +83,9 @@ class LPPConfig(AdapterConfig):
         "The constant of the code's alpha initialisation (250 * mean own-class similarity).")})
     views: int = field(default=1, metadata={"help": (
         'Augmented views of the training images trained on (the authors: one augmented pass).')})
+    bias_init: str = field(default="zero", metadata={"help": (
+        'The bias\'s start with init=lpp: "zero" (the paper has no bias), or "linear" (the code\'s nn.Linear default, '
+        'uniform in +-1/sqrt(D), drawn from the run\'s generator).')})
 
     def __post_init__(self) -> None:
         if self.epochs < 0:
@@ -91,6 +96,8 @@ class LPPConfig(AdapterConfig):
             raise ValueError(f"adapter.alpha_grad must be one of {', '.join(ALPHA_GRADS)}, got {self.alpha_grad!r}")
         if self.init not in INITS:
             raise ValueError(f"adapter.init must be one of {', '.join(INITS)}, got {self.init!r}")
+        if self.bias_init not in BIAS_INITS:
+            raise ValueError(f"adapter.bias_init must be one of {', '.join(BIAS_INITS)}, got {self.bias_init!r}")
         if not self.alpha_init_factor > 0:
             raise ValueError(f"adapter.alpha_init_factor must be > 0, got {self.alpha_init_factor}")
         if self.views < 0:
@@ -164,6 +171,9 @@ class LPP(Adapter):
         if cfg.init == "lpp":
             W = onehot.T @ f  # class sums
             b.zero_()
+            if cfg.bias_init == "linear":  # nn.Linear(D, C)'s default bias: U(-1/sqrt(D), 1/sqrt(D))
+                u = torch.rand(C, generator=data.generator, dtype=torch.float64)
+                b = ((2 * u - 1) / D ** 0.5).to(dev)
             own = ((s * onehot).sum(0) / onehot.sum(0).clamp_min(1)).mean()  # mean over classes of own-class means
             if cfg.alpha_init_factor * float(own) > 0:
                 alpha0 = cfg.alpha_init_factor * float(own)
@@ -217,3 +227,15 @@ class LPP(Adapter):
 
 
 register_adapter("lpp", LPPConfig, LPP, export=STATE)
+
+LPP_REPO = "FereshteShakeri/FewShot-CLIP-Strong-Baseline@f81054f"
+register_presets(
+    "lpp",
+    Preset("authors", "LP++'s released code (methods/linear_probe_p2.py, configs/base.yaml)", settings=(
+        Setting("adapter.alpha_grad", "accumulated", f"{LPP_REPO} methods/linear_probe_p2.py:133,139",
+                "their optimiser zeroes W's and b's gradients only, so alpha steps on the sum of every epoch's"),
+        Setting("adapter.bias_init", "linear", f"{LPP_REPO} methods/linear_probe_p2.py:96",
+                "their classifier is an nn.Linear with its random default bias; the paper has no bias"),),
+        not_expressed=(f"K validation images per class ({LPP_REPO} main.py:94); fewclip's few-shot validation split "
+                       f"has min(shots, 4)",)),
+)

@@ -33,6 +33,7 @@ import torch.nn as nn
 from ._deep import DeepPromptAdapter, linear_init, normal, vision_transformer
 from fewclip.state_export import STATE
 from fewclip.adapter import AdapterConfig, register_adapter
+from fewclip.presets import Preset, register_presets
 
 
 @dataclass
@@ -100,3 +101,9 @@ class MaPLe(DeepPromptAdapter):
 
 
 register_adapter("maple", MaPLeConfig, MaPLe, export=STATE)
+
+register_presets(
+    "maple",
+    Preset("authors", "MaPLe's vit_b16_c2_ep5_batch4_2ctx config: fewclip's defaults "
+                      "(tests/test_deep_parity.py)"),
+)

@@ -59,6 +59,7 @@ from ._family import text_output_dim, zero_shot_points
 from fewclip.state_export import STATE
 from ._text import TextTower, pad_sequences
 from fewclip.adapter import Adapter, AdapterConfig, AdapterError, register_adapter
+from fewclip.presets import Preset, Setting, register_presets
 
 
 @dataclass
@@ -261,3 +262,16 @@ class MMRL(Adapter):
 
 
 register_adapter("mmrl", MMRLConfig, MMRL, export=STATE)
+
+MMRL_FEW = "yunncheng/MMRL@27d8821 configs/trainers/MMRL/vit_b16_few_shot.yaml"
+register_presets(
+    "mmrl",
+    Preset("authors", "MMRL's base-to-novel config (configs/trainers/MMRL/vit_b16.yaml): fewclip's defaults "
+                      "(tests/test_towers2_parity.py)", not_expressed=(
+        "per-dataset REG_WEIGHT (yunncheng/MMRL@27d8821 trainers/config.py): set adapter.reg_weight",
+        "logits at CLIP ViT-B/16's scale 100 (hard-coded); fewclip uses the backbone's logit scale")),
+    Preset("fewshot", "MMRL's few-shot config", settings=(
+        Setting("adapter.reg_weight", 0.5, f"{MMRL_FEW}:35", "their few-shot regulariser weight"),
+        Setting("train.batch_size", 32, f"{MMRL_FEW}:3", "their few-shot batch"),
+        Setting("train.epochs", 50, f"{MMRL_FEW}:19", "their few-shot epochs"),)),
+)

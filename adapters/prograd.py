@@ -32,6 +32,7 @@ from ._family import learned_for_classnames, zero_shot_points
 from fewclip.state_export import STATE
 from ._text import TextTower
 from fewclip.adapter import AdapterError, register_adapter
+from fewclip.presets import Preset, register_presets
 from .coop import CoOp, CoOpConfig
 
 
@@ -117,3 +118,9 @@ class ProGrad(CoOp):
 
 
 register_adapter("prograd", ProGradConfig, ProGrad, export=STATE)
+
+register_presets(
+    "prograd",
+    Preset("authors", "ProGrad's base-to-novel script (16 context vectors): fewclip's defaults "
+                      "(tests/test_prompt_parity.py)"),
+)

@@ -48,6 +48,7 @@ from fewclip.geometry import Geometry
 from ._cache import TIE_BREAKS, affinity, choose, self_similarity, scored, text_classifier
 from fewclip.state_export import STATE
 from fewclip.adapter import Adapter, AdapterConfig, register_adapter
+from fewclip.presets import Preset, Setting, register_presets
 
 log = logging.getLogger(__name__)
 
@@ -279,3 +280,13 @@ class ProKeR(Adapter):
 
 
 register_adapter("proker", ProKeRConfig, ProKeR, export=STATE)
+
+register_presets(
+    "proker",
+    Preset("authors", "ProKeR's released code (trainers/proker.py, configs/RN50/configs_proker/*.yaml)", settings=(
+        Setting("adapter.tie_break", "first", "omarnust/BReg-Adapter@c89ce54 trainers/proker.py:48",
+                "their search keeps the first best (beta, lambda) (strict >); fewclip the lowest validation loss"),),
+        not_expressed=("per-dataset grids (omarnust/BReg-Adapter@c89ce54 configs/RN50/configs_proker/<dataset>.yaml): "
+                       "set adapter.beta_grid and adapter.lmbda_grid",
+                       "float32 kernel and solve (trainers/proker.py:44); fewclip float64")),
+)

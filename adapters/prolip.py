@@ -47,6 +47,7 @@ from fewclip.engine import NonFiniteError
 from ._cache import TIE_BREAKS, choose, scored, text_classifier
 from fewclip.state_export import STATE
 from fewclip.adapter import Adapter, AdapterConfig, AdapterError, register_adapter
+from fewclip.presets import Preset, Setting, register_presets
 
 log = logging.getLogger(__name__)
 
@@ -180,3 +181,11 @@ class ProLIP(Adapter):
 
 
 register_adapter("prolip", ProLIPConfig, ProLIP, export=STATE)
+
+register_presets(
+    "prolip",
+    Preset("authors", "ProLIP's released code (methods/ProLIP.py, configs/experiments/few_shot_few_val.yaml)",
+           settings=(Setting("adapter.tie_break", "first", "astra-vision/ProLIP@b43e795 methods/ProLIP.py:133",
+                             "their search keeps the first best (lr, lambda) (strict >); fewclip the lowest "
+                             "validation loss"),)),
+)

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from ._deep import gaussian_weights
 from fewclip.state_export import STATE
 from fewclip.adapter import AdapterError, register_adapter
+from fewclip.presets import Preset, Setting, register_presets
 from .ivlp import IVLP, IVLPConfig
 from open_clip.zero_shot_metadata import OPENAI_IMAGENET_TEMPLATES
 
@@ -190,3 +191,16 @@ class PromptSRC(IVLP):
 
 
 register_adapter("promptsrc", PromptSRCConfig, PromptSRC, export=STATE)
+
+SRC_FEW = "muzairkhattak/PromptSRC@bb95c77 configs/trainers/PromptSRC/vit_b16_c2_ep50_batch4_4+4ctx_few_shot.yaml"
+register_presets(
+    "promptsrc",
+    Preset("authors", "PromptSRC's base-to-novel config (configs/trainers/PromptSRC/vit_b16_c2_ep20_batch4_4+4ctx.yaml): "
+                      "fewclip's defaults (tests/test_deep_parity.py)"),
+    Preset("fewshot", "PromptSRC's few-shot config", settings=(
+        Setting("train.epochs", 50, f"{SRC_FEW}:19", "their few-shot runs train 50 epochs"),
+        Setting("adapter.gpa_mean", 30.0, f"{SRC_FEW}:43", "GPA centred on epoch 30 of 50"),
+        Setting("adapter.gpa_std", 30.0, f"{SRC_FEW}:44", "a wide Gaussian for the few-shot runs"),),
+        not_expressed=(f"GPA mean 45, std 5 for StanfordCars, Flowers102, FGVCAircraft, DTD, EuroSAT ({SRC_FEW}:46-47): "
+                       f"set adapter.gpa_mean=45 adapter.gpa_std=5 there",)),
+)

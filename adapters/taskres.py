@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from ._cache import text_classifier
 from fewclip.state_export import STATE
 from fewclip.adapter import Adapter, AdapterConfig, register_adapter
+from fewclip.presets import Preset, Setting, register_presets
 
 
 @dataclass
@@ -73,3 +74,21 @@ class TaskRes(Adapter):
 
 
 register_adapter("taskres", TaskResConfig, TaskRes, export=STATE)
+
+CLAP_CFG = "jusiro/CLAP@dbdf409 configs/trainers/SGD_lr1e-1_B256_ep300.yaml"
+register_presets(
+    "taskres",
+    Preset("authors", "TaskRes's released code (trainers/taskres.py, configs/trainers/TaskRes/"
+                      "adam_lr2e-3_B256_ep100.yaml); fewclip's optimiser defaults are theirs", not_expressed=(
+        "100 epochs at 1, 2, 4 shots and 200 at 8, 16 (geekyutao/TaskRes@5195359 configs/trainers/TaskRes/"
+        "adam_lr2e-3_B256_ep100.yaml:20, scripts/taskres/main.sh); fewclip's CoOp schedule differs at 1 shot (50): "
+        "add train.epochs=100 there",
+        "RESIDUAL_SCALE is an argument of each of their runs (geekyutao/TaskRes@5195359 scripts/taskres/main.sh:12; "
+        "eval.sh:10 sets 0.5, fewclip's default): set adapter.scale per dataset")),
+    Preset("clap", "TaskRes as CLAP's repository re-runs it (INIT TR), which many papers quote", settings=(
+        Setting("train.optimizer", "sgd", f"{CLAP_CFG}:16", "CLAP's one config for every method"),
+        Setting("train.lr", 0.1, f"{CLAP_CFG}:17", "CLAP's one config for every method"),
+        Setting("train.weight_decay", 0.0, f"{CLAP_CFG}:23", "CLAP's one config for every method"),
+        Setting("train.epochs", 300, f"{CLAP_CFG}:18", "CLAP's one config for every method"),),
+        not_expressed=("CLAP's epoch of pooled augmented views (jusiro/CLAP@dbdf409 trainers/adapters.py:435-447)",)),
+)

@@ -37,6 +37,7 @@ from open_clip.transformer import QuickGELU
 from ._family import default_linear, learned_for_classnames, loss_near_teacher, text_output_dim, zero_shot_points
 from fewclip.state_export import STATE
 from fewclip.adapter import AdapterError, register_adapter
+from fewclip.presets import Preset, register_presets
 from .coop import CoOp, CoOpConfig
 
 
@@ -147,3 +148,12 @@ class TCP(CoOp):
 
 
 register_adapter("tcp", TCPConfig, TCP, export=STATE)
+
+register_presets(
+    "tcp",
+    Preset("authors", "TCP's vit_b16_ep100_ctxv1 config and base2new script: fewclip's defaults "
+                      "(tests/test_prompt_parity.py)", not_expressed=(
+        "25 epochs for ImageNet and SUN397 (htyao89/Textual-based_Class-aware_prompt_tuning "
+        "train.py): add train.epochs=25 there",
+    )),
+)

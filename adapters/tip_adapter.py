@@ -43,6 +43,7 @@ from torch import Tensor
 from ._cache import TIE_BREAKS, affinity, authors_grid, search_alpha_beta, self_similarity, text_classifier
 from fewclip.state_export import STATE
 from fewclip.adapter import Adapter, AdapterConfig, register_adapter
+from fewclip.presets import Preset, Setting, register_presets
 
 log = logging.getLogger(__name__)
 
@@ -174,3 +175,15 @@ class TipAdapter(Adapter):
 
 
 register_adapter("tip_adapter", TipAdapterConfig, TipAdapter, export=STATE)
+
+TIP = "gaopengcuhk/Tip-Adapter@d0e2d6f"
+register_presets(
+    "tip_adapter",
+    Preset("authors", "Tip-Adapter's released code (main.py, utils.py, configs/imagenet.yaml)", settings=(
+        Setting("adapter.tie_break", "first", f"{TIP} utils.py:121",
+                "their search keeps the first best grid point (strict >); fewclip the lowest validation loss"),),
+        not_expressed=(f"per-dataset grids and init_alpha ({TIP} configs/<dataset>.yaml:17-21, e.g. caltech101 "
+                       f"search_scale [12, 5], init_alpha 3): set adapter.beta_max, alpha_max, init_alpha",
+                       f"the search on the dataset's whole validation split ({TIP} main.py:47); fewclip searches "
+                       f"its few-shot validation split")),
+    on_test=f"Tip-Adapter's authors search beta and alpha on ImageNet's test set, {TIP} main_imagenet.py:43")

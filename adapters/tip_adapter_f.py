@@ -36,6 +36,7 @@ from fewclip.engine import CachedFeatures, train_loop
 
 from fewclip.state_export import STATE
 from fewclip.adapter import register_adapter
+from fewclip.presets import Preset, Setting, register_presets
 from .tip_adapter import TipAdapter, TipAdapterConfig
 
 log = logging.getLogger(__name__)
@@ -80,3 +81,15 @@ class TipAdapterF(TipAdapter):
 
 
 register_adapter("tip_adapter_f", TipAdapterFConfig, TipAdapterF, export=STATE)
+
+register_presets(
+    "tip_adapter_f",
+    Preset("authors", "Tip-Adapter-F's released code (main.py:run_tip_adapter_F, configs/imagenet.yaml)", settings=(
+        Setting("adapter.tie_break", "first", "gaopengcuhk/Tip-Adapter@d0e2d6f utils.py:121",
+                "their search keeps the first best grid point (strict >); fewclip the lowest validation loss"),),
+        not_expressed=("freshly augmented support images every epoch (gaopengcuhk/Tip-Adapter@d0e2d6f main.py:85-88); "
+                       "fewclip trains on its cached views 10-19",
+                       "100 epochs for EuroSAT (gaopengcuhk/Tip-Adapter@d0e2d6f configs/eurosat.yaml:31): add "
+                       "train.epochs=100 there")),
+    on_test=("Tip-Adapter-F's authors keep the epoch with the best test accuracy and report the better of two test "
+             "accuracies, gaopengcuhk/Tip-Adapter@d0e2d6f main.py:114-141"))

@@ -40,6 +40,7 @@ from fewclip.attention import parse_layers
 
 from ._towers import TOWER, TowerWeightsAdapter, replace_module, shared_copy, tower_blocks
 from fewclip.adapter import AdapterConfig, AdapterError, register_adapter
+from fewclip.presets import Preset, register_presets
 
 TOWERS = ("text", "vision", "both")
 ETA_MIN = 1e-6  # their CosineAnnealingLR(eta_min=1e-6), both stages
@@ -199,3 +200,9 @@ class TwoSFS(TowerWeightsAdapter):
 
 
 register_adapter("2sfs", TwoSFSConfig, TwoSFS, export=TOWER)
+
+register_presets(
+    "2sfs",
+    Preset("authors", "2SFS's fixed recipe (FarinaMatteo/rethinking_fewshot_vlms fs/twostage.py): "
+                      "fewclip's defaults (tests/test_tower_parity.py)"),
+)

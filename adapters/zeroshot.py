@@ -17,6 +17,7 @@ import torch
 from fewclip.features import text_prototypes
 
 from fewclip.adapter import Adapter, AdapterConfig, register_adapter
+from fewclip.presets import Preset, register_presets
 
 
 @dataclass
@@ -48,3 +49,9 @@ class ZeroShot(Adapter):
 
 
 register_adapter("zeroshot", ZeroShotConfig, ZeroShot)
+
+register_presets(
+    "zeroshot",
+    Preset("authors", "CLIP's zero-shot classifier: the same computation "
+                      "(tests/test_prompt_parity.py's zeroshot fixture)"),
+)

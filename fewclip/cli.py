@@ -17,7 +17,8 @@ COMMAND_HELP = {
     "backbones": ("usage: fewclip backbones [--all] [NAME ...]: the backbones fewclip can load, with their geometry; "
                   "NAME: one in detail (weights, geometry, image preprocessing)"),
     "datasets": "usage: fewclip datasets: the registered datasets and where each expects its files",
-    "adapters": "usage: fewclip adapters [NAME ...]: the registered methods, each option with its help",
+    "adapters": ("usage: fewclip adapters [NAME ...]: the registered methods, each option with its help; NAME: also "
+                 "its presets (train preset=NAME), each field they set with its source"),
     "cache": ("usage: fewclip cache [list|clear] [DATASET|ROOT] [dir=PATH] [backbone=NAME] [dataset=NAME] [root=PATH]: "
               "the on-disk feature store (dir= or $FEWCLIP_CACHE, default ~/.cache/fewclip/features)"),
     "report": ("usage: fewclip report RUN_DIR [RUN_DIR ...] [key=value ...]: seed-averaged tables (Markdown, CSV, "
@@ -63,7 +64,8 @@ commands:
   split        few-shot split files in published formats: fewclip split export data=toy-shapes shots=16 seed=1
                format=zhou out=split.json; fewclip split import split.json data=toy-shapes; data.fewshot_file=FILE
   report       seed-averaged tables and the accuracy-vs-shots plot: fewclip report runs/demo
-  adapters     list the registered adapters (few-shot methods)
+  adapters     list the registered adapters (few-shot methods); fewclip adapters NAME adds its presets
+               (fewclip train adapter=NAME preset=authors: the authors' settings, each with its source)
   published    the published results of fewclip's methods, with sources: fewclip published method=coop
                protocol=base2new (`fewclip report` sets them beside your runs where the setting matches)
   export       a run in its method's export format: fewclip export runs/coop -o prompts.safetensors [nearest=3]

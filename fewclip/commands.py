@@ -28,7 +28,8 @@ from .logs import setup_logging  # fewclip's lines at the chosen level, other li
 from .records import prepare_dir
 from .report import NoRunsFoundError, write_report
 from .report_options import ReportOptions
-from .run import as_train_config, load_train_config, run_train
+from .presets import describe_presets, presets_of
+from .run import as_train_config, load_train_config, preset_defaults, run_train
 from .store import FeatureStore, matches_dataset, open_store, store_setting, under_root
 from .split_files import SplitOptions, export_split, import_split
 from .sweep import load_sweep_config, run_sweep, sweep_lock
@@ -268,6 +269,10 @@ def cmd_adapters(args: Sequence[str]) -> int:
         train = getattr(info.adapter_cls, "train_defaults", {})
         if train:
             print("  its own training defaults: " + " ".join(f"train.{k}={v}" for k, v in train.items()))
+        if names:  # one method in detail: its presets, field by field with their sources
+            print("\n".join("  " + line for line in describe_presets(name, preset_defaults(info))))
+        else:
+            print(f"  presets: {', '.join(presets_of(name))} (`fewclip adapters {name}` lists what each sets)")
     return 0
 
 

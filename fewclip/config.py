@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fewclip.errors import InputError
+from .presets import FEWCLIP
 from .sections import AdapterConfig, BackboneConfig, TrainConfig
 from fewclip.data import DataConfig
 from fewclip.protocols import PROTOCOLS, TRANSFER_PROTOCOLS, default_targets
@@ -96,6 +97,12 @@ class TrainRunFields(RunConfig):
     shots: int = 16
     adapter: AdapterConfig = field(default_factory=AdapterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    preset: str = field(default=FEWCLIP, metadata={"help": (
+        'A named preset of the method\'s adapter.* and train.* settings (fewclip.presets): fewclip (its own '
+        'defaults), authors (the authors\' released procedure), paper, ...; `fewclip adapters NAME` lists them. '
+        'Applied before the other arguments: an explicit adapter.X=... or train.X=... wins over the preset.')})
+    preset_set: Dict[str, Any] = field(default_factory=dict, metadata={"help": (
+        "Written by fewclip: the preset's values in effect (those no explicit argument overrode).")})
 
 
 @dataclass
@@ -117,14 +124,18 @@ class FeaturesConfig:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
 
 
-def compose_train_config(args: Sequence[str], schema: Type, adapter: AdapterConfig, train_defaults: Dict[str, Any],
-                         trains: bool):
-    """A train config (``schema``: ``TrainRunFields`` or a subclass) from the arguments: ``adapter`` is the method's
-    section with its defaults, ``train_defaults`` its own ``train`` values, and a method that trains on no images
-    (``trains`` false) runs at 0 shots."""
+def train_base(schema: Type, adapter: AdapterConfig, train_defaults: Dict[str, Any], trains: bool,
+               preset: Optional[Dict[str, Any]] = None) -> DictConfig:
+    """The defaults a train config's arguments are composed on (``schema``: ``TrainRunFields`` or a subclass):
+    ``adapter`` is the method's section with its defaults, ``train_defaults`` its own ``train`` values, a method
+    that trains on no images (``trains`` false) runs at 0 shots, and ``preset`` (``fewclip.presets``) is merged
+    on top, under the arguments."""
     base = OmegaConf.structured(schema(adapter=adapter, train=TrainConfig(**train_defaults),
                                        shots=16 if trains else 0))
-    return to_object(compose(schema, args, base=base))
+    if preset:
+        base = OmegaConf.merge(base, preset)
+    OmegaConf.set_struct(base.preset_set, False)  # a run's config.yaml given back holds what its preset set
+    return base
 
 
 def packaged_config_dirs() -> List[Path]:

@@ -145,6 +145,12 @@ class FeatureSource:
         with ``wants_frozen_features``)."""
         raise NotImplementedError
 
+    @property
+    def epoch_size(self) -> int:
+        """How many of ``labels`` one epoch draws (a shuffle of all of them, cut after this many, in batches):
+        all of them by default; fewer for a source that pools several views of each image (CLAP's authors)."""
+        return len(self.labels)
+
 
 class CachedFeatures(FeatureSource):
     """Precomputed features: epoch e uses ``views[e % len(views)]`` (augmented views, or the un-augmented
@@ -334,7 +340,7 @@ def train_loop(adapter, source: FeatureSource, cfg: TrainConfig, shots: int, gen
         raise ValueError(f"adapter {adapter.name!r} has no trainable parameters")
 
     n = len(source.labels)
-    per_epoch, total, epochs, warmup = schedule(cfg, shots, n)
+    per_epoch, total, epochs, warmup = schedule(cfg, shots, source.epoch_size)
     # An adapter may give parameter groups whose learning rate is the run's times "lr_scale" (DePT's head).
     groups = adapter.param_groups() if hasattr(adapter, "param_groups") else None
 

@@ -10,8 +10,10 @@ from dataclasses import field, make_dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from .adapter_index import load_index
-from .config import FeaturesConfig, RunConfig, TrainRunFields, compose_train_config, section_name_of
+from .config import (FeaturesConfig, RunConfig, TrainRunFields, compose, find_yaml, load_yaml, section_name_of,
+                     split_args, to_object, train_base)
 from .confighelp import describe_config
+from .presets import FEWCLIP, preset_name_of
 from .sections import LAUNCHER_SECTIONS, AdapterConfig
 from .sweep_config import compose_sweep_config
 
@@ -51,9 +53,11 @@ def _train(args: Sequence[str]):
     methods = load_index()
     entry = (methods or {}).get(section_name_of(args, "adapter", "coop"))
     section = _section(entry) if entry is not None else None
-    if section is None:
-        return None
-    return compose_train_config(args, TrainRunFields, section, entry["train_defaults"], entry["trains"])
+    yamls, dotlist = split_args(args)
+    if section is None or preset_name_of(dotlist, [load_yaml(find_yaml(y)) for y in yamls]) != FEWCLIP:
+        return None  # a preset's values are registered with its method
+    return to_object(compose(TrainRunFields, args, base=train_base(TrainRunFields, section, entry["train_defaults"],
+                                                                   entry["trains"])))
 
 
 def _sweep(args: Sequence[str]):

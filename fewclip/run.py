@@ -28,14 +28,16 @@ import dataclasses
 import logging
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
+from omegaconf.errors import OmegaConfBaseException
 from safetensors.torch import save_file
 
 from .adapter import AdapterConfig, adapter_info, build_adapter
 from .backbones import Backbone, BackboneConfig, load_backbone
-from .config import ConfigError, RunConfig, TrainRunFields, compose_train_config, section_name_of, to_yaml
+from .config import (ConfigError, RunConfig, TrainRunFields, compose, find_yaml, load_yaml, section_name_of,
+                     split_args, to_object, to_yaml, train_base)
 from .cost import RunCost
 from .data import DataConfig, Dataset, build_dataset
 from .engine import RunFeatures, TrainConfig, evaluate, fit_adapter
@@ -43,6 +45,8 @@ from .evals import score_plan
 from .feature_file import backbone_of
 from .features import FeatureCache, extract_features
 from .io import atomic_write, atomic_write_text
+from .presets import (check_test_choice, get_preset, in_effect, method_label, preset_name_of,
+                      preset_overrides)
 from .protocols import ProtocolPlan, harmonic_mean, make_plan, write_protocol_split
 from .records import Identity, Run, RunLock, config_dict, data_part, open_run, run_identity, weights_checksum
 from .transductive import rescore_plan
@@ -62,6 +66,7 @@ class TrainRunConfig(TrainRunFields):
             raise ValueError(f"adapter {self.adapter.name!r} trains on no images: shots must be 0, got {self.shots}")
         if not untrained and self.shots < 1:
             raise ValueError(f"shots must be >= 1, got {self.shots}")
+        get_preset(self.adapter.name, self.preset)  # a known name (load_train_config applies its values)
 
 
 def adapter_name_of(args: Sequence[str]) -> str:
@@ -70,14 +75,35 @@ def adapter_name_of(args: Sequence[str]) -> str:
 
 
 def load_train_config(args: Sequence[str]) -> TrainRunConfig:
-    """Compose a train config; the ``adapter`` section takes the named adapter's dataclass."""
+    """Compose a train config; the ``adapter`` section takes the named adapter's dataclass. A ``preset`` is
+    applied on top of the method's defaults and under the arguments (explicit values win over it)."""
     name = adapter_name_of(args)
     try:
         info = adapter_info(name)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return compose_train_config(args, TrainRunConfig, info.config_cls(),
-                                getattr(info.adapter_cls, "train_defaults", {}), info.trains)
+    yamls, dotlist = split_args(args)
+    preset = get_preset(name, preset_name_of(dotlist, [load_yaml(find_yaml(y)) for y in yamls]))
+    try:
+        base = train_base(TrainRunConfig, info.config_cls(), getattr(info.adapter_cls, "train_defaults", {}),
+                          info.trains, preset_overrides(preset))
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"preset {preset.name!r} of adapter {name!r} does not fit its config ({e}); fix the "
+                          f"preset's register_presets line") from None
+    composed = compose(TrainRunConfig, args, base=base)
+    check_test_choice(name, composed.train.select)
+    cfg = to_object(composed)
+    cfg.preset_set = in_effect(preset, {key: getattr(getattr(cfg, key.split(".")[0]), key.split(".")[1])
+                                        for key in preset.values()})
+    return cfg
+
+
+def preset_defaults(info) -> Dict[str, Any]:
+    """fewclip's default of every ``adapter.*`` and ``train.*`` field of a method (``info``: its AdapterInfo):
+    what its presets are compared with."""
+    adapter, train = info.config_cls(), TrainConfig(**getattr(info.adapter_cls, "train_defaults", {}))
+    return {**{f"adapter.{f.name}": getattr(adapter, f.name) for f in fields(adapter)},
+            **{f"train.{f.name}": getattr(train, f.name) for f in fields(train)}}
 
 
 def as_train_config(cfg: RunConfig, adapter: AdapterConfig, shots: int = 0) -> TrainRunConfig:
@@ -263,8 +289,9 @@ def _train(run: Run, cfg: TrainRunConfig, out: Path, backbone: Backbone, plan: P
         atomic_write(out / "adapter.safetensors", lambda tmp: save_file(sd, tmp, metadata=meta))
         files.append("adapter.safetensors")
     metrics.update({
-        "method": method or cfg.adapter.name,
+        "method": method or (method_label(cfg.adapter.name, cfg.preset) if split is not None else cfg.adapter.name),
         "adapter": cfg.adapter.name,
+        "preset": cfg.preset,
         "protocol": plan.protocol,
         "dataset": plan.source.name,
         "backbone": backbone.name,

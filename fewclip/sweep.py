@@ -26,6 +26,7 @@ from .launch.worker import RunSpec, WorkerContext
 from .locks import RunLock
 from .progress import progress
 from .records import Identity, RunState, prepare_dir, remove_leftovers, run_state, tidy
+from .presets import FEWCLIP, method_label, parse_label, preset_name_of
 from .run import adapter_name_of, few_shot_split, load_train_config, run_identity_of
 from .store import store_setting
 from .sweep_config import SweepConfig, SweepSpec, compose_sweep_config  # noqa: F401  (re-exported)
@@ -68,23 +69,39 @@ def plan_sweep(spec: SweepSpec) -> List[Dict[str, Any]]:
             named, own = (entry.args, ()) if entry.args[0].startswith("data=") else ((), entry.args)
             for method in spec.methods:
                 base = [f"backbone={bb}", *named, *proto, *spec.backbone_args.get(bb, []), *spec.args, *own]
-                margs = spec.variants.get(method, [f"adapter={method}"])
+                margs, label = _method_args(spec, method, base)
                 try:
                     untrained = not adapter_info(adapter_name_of(margs)).trains
                 except ValueError as e:
                     raise ConfigError(f"sweep method {method!r}: {e}") from None
+                label = method if untrained else label  # zero-shot stays the report's baseline under any preset
+                method_dir = label.replace("[", "-").replace("]", "")
                 if untrained:  # nothing to train: one run, at 0 shots
-                    runs.append({"protocol": protocol, "backbone": bb, "dataset": ds, "method": method, "shots": 0,
+                    runs.append({"protocol": protocol, "backbone": bb, "dataset": ds, "method": label, "shots": 0,
                                  "seed": 1, "args": [*base, *margs, "shots=0"],
-                                 "dir": root / _safe(bb) / ds / method})
+                                 "dir": root / _safe(bb) / ds / method_dir})
                     continue
                 for k in spec.shots:
                     for s in spec.seeds:
-                        runs.append({"protocol": protocol, "backbone": bb, "dataset": ds, "method": method,
+                        runs.append({"protocol": protocol, "backbone": bb, "dataset": ds, "method": label,
                                      "shots": k, "seed": s,
                                      "args": [*base, *margs, f"shots={k}", f"seed={s}"],
-                                     "dir": root / _safe(bb) / ds / method / f"{k}shot" / f"seed{s}"})
+                                     "dir": root / _safe(bb) / ds / method_dir / f"{k}shot" / f"seed{s}"})
     return runs
+
+
+def _method_args(spec: SweepSpec, method: str, base: Sequence[str]):
+    """A sweep method's arguments and its label: a variant's own list, ``NAME[PRESET]`` -> adapter=NAME
+    preset=PRESET, else adapter=NAME. A preset from the sweep's args or a variant's list shows in the label
+    (``coop[authors]``), so tables and folders tell runs of different presets apart."""
+    if method in spec.variants:
+        margs = list(spec.variants[method])
+    else:
+        name, preset = parse_label(method)
+        margs = [f"adapter={name}"] + ([f"preset={preset}"] if method.endswith("]") else [])
+    preset = preset_name_of([*base, *margs])
+    label = method if preset == FEWCLIP or method.endswith("]") else method_label(method, preset)
+    return margs, label
 
 
 @dataclass

@@ -22,7 +22,8 @@ class SweepSpec:
         "after its folder; {name: cars, reader: folder, root: PATH, templates: single}) or a YAML piece with a "
         "`data:` section (fewclip.dataset_entries). Runs, tables and folders know each by its dataset's name.")})
     methods: List[str] = field(default_factory=lambda: ["zeroshot", "coop"], metadata={"help": (
-        'A registered adapter name ("zeroshot", "coop", ...) or a label defined in `variants`.')})
+        'A registered adapter name ("zeroshot", "coop", ...), one with a preset ("tip_adapter[authors]": '
+        'adapter=tip_adapter preset=authors; folder tip_adapter-authors) or a label defined in `variants`.')})
     shots: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
     seeds: List[int] = field(default_factory=lambda: [1, 2, 3])
     args: List[str] = field(default_factory=list, metadata={"help": (

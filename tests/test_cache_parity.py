@@ -9,6 +9,7 @@ the adapters in float64 and in float32, fewclip's working precision (logits to 1
 differences are those of the fixture's float32 inputs: its unit vectors have norms 1 +- 3e-8, which the authors
 use as they are and fewclip normalises again (so, e.g., logits at scale 100 differ by up to ~3e-6).
 """
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -23,11 +24,12 @@ from fewclip.adapters.clap import Clap, ClapConfig
 from fewclip.adapters.clip_adapter import ClipAdapter, ClipAdapterConfig
 from fewclip.adapters.lpp import LPP, LPPConfig
 from fewclip.adapters.taskres import TaskRes, TaskResConfig
-from fewclip.adapters.tip_adapter import TipAdapter, TipAdapterConfig
+from fewclip.adapters.tip_adapter import TipAdapter
 from fewclip.adapters.tip_adapter_f import TipAdapterF, TipAdapterFConfig
 from fewclip.engine import CachedFeatures, FitData, TrainConfig, cosine_lr, make_optimizer, train_loop
 from fewclip.features import Features
 from fewclip.geometry import make_geometry
+from fewclip.run import load_train_config
 
 FIXTURES = Path(__file__).parent / "fixtures" / "cache_ref"
 f64 = torch.float64
@@ -69,6 +71,14 @@ def maxdiff(a, b):
     return d
 
 
+def authors_config(name, preset="authors", **sizing):
+    """The method's adapter config under ``preset=authors`` (or another of the authors' presets), built as
+    ``fewclip train adapter=NAME preset=authors`` builds it (``sizing``: fields the fixture's small problem sets,
+    e.g. the number of epochs)."""
+    cfg = load_train_config([f"adapter={name}", f"preset={preset}"]).adapter
+    return dataclasses.replace(cfg, **sizing)
+
+
 def fit_data(train, views, val, cfg=None):
     return FitData(train, views, val, cfg or TrainConfig(), 4, torch.Generator().manual_seed(0))
 
@@ -80,7 +90,7 @@ def fit_data(train, views, val, cfg=None):
 def test_tip_adapter_cache_logits_and_search_equal_the_authors(dtype):
     t, m = fixture("tip_adapter")
     cfg = m["config"]
-    tip, _ = build(TipAdapter, TipAdapterConfig(tie_break="first"), t["clip_weights"].T, dtype)
+    tip, _ = build(TipAdapter, authors_config("tip_adapter"), t["clip_weights"].T, dtype)
     views = [Features(t["train_views_raw"][v].to(dtype), t["train_labels"]) for v in range(10)]
     val = Features(t["val_feats"].to(dtype), t["val_labels"])
     test = t["test_feats"].to(dtype)
@@ -120,7 +130,7 @@ def test_tip_adapter_f_one_step_through_the_engine_loop_equals_the_authors():
     """One AdamW step (lr 1e-3, eps 1e-4, weight decay 0.01, batch 256 >= 20 images: the whole support set)
     with the adapter's own train defaults, run by the engine's loop; then the search on validation."""
     t, m = fixture("tip_adapter")
-    tip, _ = build(TipAdapterF, TipAdapterFConfig(tie_break="first"), t["clip_weights"].T, f64)
+    tip, _ = build(TipAdapterF, authors_config("tip_adapter_f"), t["clip_weights"].T, f64)
     tip.build_cache([t["train_views_raw"][v].to(f64) for v in range(10)], t["train_labels"])
     batch = Features(t["F1_train_feats_raw"].to(f64), t["F1_train_labels"])
     val = Features(t["val_feats"].to(f64), t["val_labels"])
@@ -145,7 +155,7 @@ def test_tip_adapter_f_four_steps_with_the_engines_schedule_equal_the_authors(dt
     """Two epochs of two batches of 10 in the authors' order, stepped with the adapter's optimiser and the
     engine's cosine schedule (no warm-up: CosineAnnealingLR over every step)."""
     t, m = fixture("tip_adapter")
-    tip, _ = build(TipAdapterF, TipAdapterFConfig(tie_break="first"), t["clip_weights"].T, dtype)
+    tip, _ = build(TipAdapterF, authors_config("tip_adapter_f"), t["clip_weights"].T, dtype)
     tip.build_cache([t["train_views_raw"][v].to(dtype) for v in range(10)], t["train_labels"])
     cfg = TrainConfig(**TipAdapterF.train_defaults)
     opt = make_optimizer(tip.trainable_parameters(), cfg)
@@ -238,10 +248,13 @@ def test_taskres_starts_at_zero_shot_and_three_adam_steps_equal_the_authors(dtyp
 @pytest.mark.parametrize("run", ["e1", "e10", "e300"])
 def test_lpp_init_step_sizes_and_epochs_equal_the_authors(run):
     t, m = fixture("lpp")
-    ad, _ = build(LPP, LPPConfig(alpha_grad="accumulated", epochs=0), t["clip_weights"].T, f64)
+    ad, _ = build(LPP, authors_config("lpp", epochs=0), t["clip_weights"].T, f64)  # alpha_grad, bias_init theirs
     train = Features(t["train_feats_raw"].to(f64), t["train_labels"])
     val = Features(t["val_feats"].to(f64), t["val_labels"])
     info = ad.fit(fit_data(train, [train], val))  # 0 epochs: the initialisation and the step sizes
+    bound = t["train_feats_raw"].shape[1] ** -0.5  # nn.Linear's default bias, drawn as theirs (their draw: below)
+    assert float(ad.bias.detach().abs().max()) <= bound and float(t["bias_init"].abs().max()) <= bound
+    assert float(ad.bias.detach().abs().min()) > 0
     assert maxdiff(ad.weight, t["W_init"]) < PARAM
     assert maxdiff(ad.alpha, t["alpha_vec_init"][0]) < PARAM and info["alpha_init"] == pytest.approx(m["alpha_init"],
                                                                                                     rel=1e-8)
@@ -293,7 +306,7 @@ def dassl_lr(e, base=0.1, epochs=300):
 @pytest.mark.parametrize("constraint", ["l2", "none"])
 def test_clap_multipliers_and_first_epochs_equal_the_authors(constraint):
     t, m = fixture("clap")
-    ad, _ = build(Clap, ClapConfig(constraint=constraint), t["text_raw"])
+    ad, _ = build(Clap, authors_config("clap", "authors" if constraint == "l2" else "zslp"), t["text_raw"])
     V, N, D = t["train_views_raw"].shape
     X, Y = t["train_views_raw"].reshape(V * N, D), t["train_labels"].repeat(V)  # rep-major, as the authors
     with torch.no_grad():

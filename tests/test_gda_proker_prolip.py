@@ -21,7 +21,7 @@ from fewclip.features import FeatureCache, Features
 from fewclip.store import FeatureStore
 from fewclip.geometry import make_geometry
 from test_cache_methods import EVERY, NAMES, TEMPLATES, TableBackbone, zero_shot
-from test_cache_parity import FeatureBackbone
+from test_cache_parity import FeatureBackbone, authors_config
 from test_coop import backbone, cards, image_features  # noqa: F401  (cards: fixture)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "cache_ref"
@@ -51,7 +51,7 @@ def fit_data(views, labels, val_x, val_y, shots=4):
 def test_gda_equals_the_authors():
     t, m = fixture("gda")
     bb = FeatureBackbone(t["text"])
-    gda = GDA(GDAConfig(tie_break="first"), bb, bb.names, ["{}"]).double()
+    gda = GDA(authors_config("gda"), bb, bb.names, ["{}"]).double()
     views = list(t["train_views"])
     info = gda.fit(fit_data(views, t["train_labels"], t["val_x"], t["val_y"]))
     assert reldiff(gda.weight, t["W"]) < 1e-5 and reldiff(gda.bias, t["b"]) < 1e-5
@@ -70,7 +70,7 @@ def test_gda_equals_the_authors():
 def test_proker_equals_the_authors():
     t, m = fixture("proker")
     bb = FeatureBackbone(t["text"])
-    pk = ProKeR(ProKeRConfig(tie_break="first"), bb, bb.names, ["{}"]).double()
+    pk = ProKeR(authors_config("proker"), bb, bb.names, ["{}"]).double()
     info = pk.fit(fit_data(list(t["train_views"]), t["train_labels"], t["val_x"], t["val_y"]))
     ref = m["float64_shim"]
     assert (info["beta"], info["lmbda"]) == (ref["best_beta"], ref["best_lmbda"])
@@ -91,7 +91,7 @@ def test_prolip_equals_the_authors():
             return t["P0"]
 
     bb = ProjectionBackbone(t["text"])
-    cfg = ProLIPConfig(views=m["aug_views"], epochs=m["train_epoch"], tie_break="first")
+    cfg = authors_config("prolip", views=m["aug_views"], epochs=m["train_epoch"])
     pl = ProLIP(cfg, bb, bb.names, ["{}"])
     info = pl.fit(fit_data(list(t["train_views_pre"]), t["train_labels"], t["val_pre"], t["val_y"]))
     assert (info["lr"], info["lambda"]) == (m["lr_v"], m["lambda_v"])

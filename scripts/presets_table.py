@@ -1,0 +1,11 @@
+"""Print README's table of presets: every registered method's presets, field by field, with their sources.
+
+    python scripts/presets_table.py      # paste into README's "Presets" section (tests/test_presets.py checks it)
+"""
+from fewclip.adapter import ADAPTERS, adapter_info
+from fewclip.presets import markdown_rows
+from fewclip.run import preset_defaults
+
+if __name__ == "__main__":
+    names = ADAPTERS.names()
+    print("\n".join(markdown_rows(names, {n: preset_defaults(adapter_info(n)) for n in names})))
