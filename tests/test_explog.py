@@ -6,11 +6,13 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+import fewclip.explog as explog
 from fewclip.cli import main
 from fewclip.config import ConfigError
 from fewclip.engine import cosine_lr
@@ -234,3 +236,20 @@ def test_a_missing_library_is_one_line_before_any_work(backend, tmp_path, monkey
                  f"log={backend}"]) == 2
     assert f'pip install "fewclip[{backend}]"' in capsys.readouterr().err
     assert not (sweep / "sweep.yaml").exists()
+
+
+def test_wandb_online_without_a_server_gives_one_warning_and_the_run_finishes(tmp_path, monkeypatch, caplog):
+    """A key but no reachable server: the wait is bounded by log.wandb.init_timeout_s, then the run goes on."""
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    for k, v in NO_NETWORK.items():
+        monkeypatch.setenv(k, v)
+    cfg = load_train_config([*TRAIN[1:], "log=wandb", "log.wandb.init_timeout_s=2"])
+    assert explog.wandb_mode(cfg.log.wandb) == "online"
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="fewclip"):
+        m = run_train(cfg, tmp_path / "run")
+    assert time.monotonic() - t0 < 120
+    (w,) = _warnings(caplog)
+    assert w.getMessage().startswith("log=wandb: opening failed (") and "the run goes on without it" in w.getMessage()
+    assert read(tmp_path / "run" / "metrics.json")["top1"] == m["top1"]
