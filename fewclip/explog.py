@@ -14,7 +14,7 @@ default: none). A run that trains logs
 Where: TensorBoard's event files go to ``DIR/tensorboard/NAME/`` and W&B's run folders to ``DIR/wandb/``, where
 ``DIR`` is ``log.dir`` (default: the run's out folder; in a sweep the sweep's out folder) and ``NAME`` is
 ``log.name`` (default: the out folder's name; in a sweep the cell's path, ``toy-clip/toy-shapes/coop/1shot/
-seed1``). In a sweep every cell is one run, and W&B groups them by ``log.group`` (default: the sweep's
+seed1``, after ``log.name`` if set). In a sweep every cell is one run, and W&B groups them by ``log.group`` (default: the sweep's
 name, its out folder's name).
 
 W&B's mode (``log.wandb.mode``): ``offline`` writes the run to ``DIR/wandb/offline-run-*`` and opens no
@@ -92,8 +92,8 @@ class LogConfig:
         "Where the logs go: TensorBoard's event files under DIR/tensorboard/NAME, W&B's run folders under "
         "DIR/wandb. null: the run's out folder (a sweep's: the sweep's out folder).")})
     name: Optional[str] = field(default=None, metadata={"help": (
-        "The run's name (its TensorBoard sub-folder, its W&B name); null: the out folder's name (in a sweep: the "
-        "cell's path, e.g. toy-clip/toy-shapes/coop/1shot/seed1).")})
+        "The run's name (its TensorBoard sub-folder, its W&B name); null: the out folder's name. In a sweep: the "
+        "cell's path (toy-clip/toy-shapes/coop/1shot/seed1), after this name if set.")})
     group: Optional[str] = field(default=None, metadata={"help": (
         "The W&B group; null: none (in a sweep: the sweep's name, its out folder's name).")})
     every_n_steps: int = field(default=10, metadata={"help": (
@@ -123,10 +123,16 @@ def check(cfg: LogConfig) -> None:
                               f"\"fewclip[{extra}]\"") from None
 
 
-def for_sweep_cell(cfg: LogConfig, sweep_out: str | os.PathLike, cell: str) -> LogConfig:
-    """A sweep cell's log settings: what the user left null filled in from the sweep (its out folder, the
-    cell's path as the name, the sweep's name as the W&B group)."""
-    return dataclasses.replace(cfg, dir=cfg.dir or str(sweep_out), name=cfg.name or Path(cell).as_posix(),
+def for_sweep_cell(sweep: Optional[LogConfig], own: LogConfig, sweep_out: str | os.PathLike, cell: str) -> LogConfig:
+    """A sweep cell's log settings: the sweep's ``log`` section if it names a backend, else the run's own (from
+    ``sweep.args``), with the sweep's defaults: the sweep's out folder as ``dir``, the cell's path as the name
+    (after ``log.name`` if set, so that cells never share a folder), the sweep's name as the W&B group. Without
+    a backend the run's own section, unchanged."""
+    cfg = sweep if sweep is not None and sweep.backends else own
+    if not cfg.backends:
+        return own
+    cell = Path(cell).as_posix()
+    return dataclasses.replace(cfg, dir=cfg.dir or str(sweep_out), name=f"{cfg.name}/{cell}" if cfg.name else cell,
                                group=cfg.group or Path(sweep_out).resolve().name)
 
 
@@ -273,8 +279,10 @@ class ExpLogger:
     def step(self, step: int, values: Mapping[str, float], lr: float) -> None:
         """After optimiser step ``step`` (1-based): the step's loss terms and learning rate, every
         ``every_n_steps`` steps (and the first)."""
+        if not self.backends:
+            return
         self.last_step = step
-        if not self.backends or (step % self.every and step != 1):
+        if step % self.every and step != 1:
             return
         scalars = {f"train/{k}": float(v) for k, v in values.items()}
         scalars["train/lr"] = float(lr)
@@ -283,9 +291,9 @@ class ExpLogger:
     def epoch(self, step: int, entry: Mapping[str, Any]) -> None:
         """After an epoch that ended at step ``step``: its mean loss terms and validation accuracy (the loop's
         history entry: ``{"epoch", "loss", ..., "val_top1"}``)."""
-        self.last_step = max(self.last_step, step)
         if not self.backends:
             return
+        self.last_step = max(self.last_step, step)
         names = {"epoch": "epoch", "val_top1": "val/top1"}
         scalars = {names.get(k, f"epoch/{k}"): float(v) for k, v in entry.items()}
         self._each("writing", lambda b: b.scalars(scalars, step))

@@ -81,11 +81,15 @@ def test_wandb_mode_is_offline_without_credentials():
 
 
 def test_sweep_cell_names_and_final_scalars(tmp_path):
-    cell = for_sweep_cell(LogConfig(backends=["wandb"]), tmp_path / "mysweep", "toy-clip/toy-shapes/coop/1shot/seed2")
-    assert (cell.dir, cell.name, cell.group) == (str(tmp_path / "mysweep"), "toy-clip/toy-shapes/coop/1shot/seed2",
-                                                 "mysweep")
-    own = for_sweep_cell(LogConfig(backends=["wandb"], name="n", group="g", dir="d"), tmp_path / "s", "c")
-    assert (own.dir, own.name, own.group) == ("d", "n", "g")  # what the user set stays
+    path = "toy-clip/toy-shapes/coop/1shot/seed2"
+    cell = for_sweep_cell(LogConfig(backends=["wandb"]), LogConfig(), tmp_path / "mysweep", path)
+    assert (cell.backends, cell.dir, cell.name, cell.group) == (["wandb"], str(tmp_path / "mysweep"), path, "mysweep")
+    own = for_sweep_cell(LogConfig(backends=["wandb"], name="n", group="g", dir="d"), LogConfig(), tmp_path / "s", "c")
+    assert (own.dir, own.name, own.group) == ("d", "n/c", "g")  # what the user set stays; cells never share a name
+    # log=... in sweep.args (the run's own section) when the sweep names no backend; none: left as it is
+    args = for_sweep_cell(LogConfig(), LogConfig(backends=["tensorboard"]), tmp_path / "s", "c")
+    assert (args.backends, args.name) == (["tensorboard"], "c")
+    assert for_sweep_cell(None, LogConfig(), tmp_path / "s", "c") == LogConfig()
     m = {"top1": 81.5, "per_class": {"a": 80.0}, "loss_curve": [1.0], "ok": True, "peak_cuda_mib": None,
          "train_time_s": 1.5, "evals": {"base": {"top1": 90.0, "per_class": {}}, "new": {"top1": 70.0}}, "hm": 78.75}
     assert final_scalars(m) == {"final/top1": 81.5, "final/train_time_s": 1.5, "final/evals/base/top1": 90.0,

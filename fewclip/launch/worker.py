@@ -181,8 +181,7 @@ def _run(spec: RunSpec, context: WorkerContext, lock) -> Dict[str, Any]:
     cfg = load_train_config(list(spec.args))
     cfg.out = str(spec.path)
     cfg.log_level = spec.log_level
-    # one logged run per cell, named by its path and grouped by the sweep (fewclip.explog)
-    cfg.log = for_sweep_cell(spec.log if spec.log is not None and spec.log.backends else cfg.log, spec.out, spec.dir)
+    cfg.log = for_sweep_cell(spec.log, cfg.log, spec.out, spec.dir)  # a logged run per cell, grouped by sweep
     backbone, plan = context.resources(cfg)
     log.info("run %s on %s (pid %d)", spec.dir, socket.gethostname(), os.getpid())
     return run_train(cfg, spec.path, backbone=backbone, plan=plan, cache=context.cache, method=spec.method,
