@@ -19,8 +19,9 @@ name, its out folder's name).
 
 W&B's mode (``log.wandb.mode``): ``offline`` writes the run to ``DIR/wandb/offline-run-*`` and opens no
 connection (``wandb sync DIR/wandb`` uploads it later), ``online`` streams to the server, ``disabled`` logs
-nothing. null (the default): the environment's ``WANDB_MODE`` if set, else ``online`` when ``WANDB_API_KEY``
-is set and ``offline`` otherwise, so that a machine without credentials or network never waits on one.
+nothing. null (the default): the environment's ``WANDB_MODE`` if set, else ``online`` where W&B has
+credentials (``WANDB_API_KEY``, or the ~/.netrc entry of ``wandb login``) and ``offline`` otherwise, so that a
+machine without credentials never waits on a network.
 
 Logging never stops a run: a backend that fails to open or to write gives one warning line and is dropped,
 and the run goes on. A backend whose library is missing is refused before the run starts, with the pip
@@ -38,11 +39,13 @@ import dataclasses
 import importlib
 import logging
 import math
+import netrc
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
+from urllib.parse import urlparse
 
 from .errors import InputError
 
@@ -65,7 +68,7 @@ class WandbConfig:
 
     mode: Optional[str] = field(default=None, metadata={"help": (
         "online, offline (written under DIR/wandb, no connection; `wandb sync` uploads it) or disabled; null: "
-        "$WANDB_MODE if set, else online when WANDB_API_KEY is set, else offline.")})
+        "$WANDB_MODE if set, else online with W&B credentials (WANDB_API_KEY or `wandb login`), else offline.")})
     project: str = field(default="fewclip", metadata={"help": "The W&B project."})
     entity: Optional[str] = field(default=None, metadata={"help": "The W&B entity (user or team); null: W&B's default."})
     tags: List[str] = field(default_factory=list, metadata={"help": "Tags of the W&B run."})
@@ -136,17 +139,29 @@ def for_sweep_cell(sweep: Optional[LogConfig], own: LogConfig, sweep_out: str | 
                                group=cfg.group or Path(sweep_out).resolve().name)
 
 
+def wandb_logged_in(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether W&B has credentials here: $WANDB_API_KEY, or the entry `wandb login` writes to ~/.netrc (or
+    $NETRC) for the server ($WANDB_BASE_URL, default api.wandb.ai)."""
+    if environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or ""
+    try:
+        return netrc.netrc(environ.get("NETRC") or os.path.expanduser("~/.netrc")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
 def wandb_mode(cfg: WandbConfig, environ: Mapping[str, str] = os.environ) -> str:
-    """The W&B mode a run uses (module docstring): ``log.wandb.mode``, else $WANDB_MODE, else online with an API
-    key and offline without."""
+    """The W&B mode a run uses (module docstring): ``log.wandb.mode``, else $WANDB_MODE, else online with
+    credentials (``wandb_logged_in``) and offline without."""
     if cfg.mode is not None:
         return cfg.mode
     env = environ.get("WANDB_MODE", "").strip().lower()
-    if env in ("dryrun",):
+    if env == "dryrun":  # W&B's old name for offline
         return "offline"
     if env in WANDB_MODES:
         return env
-    return "online" if environ.get("WANDB_API_KEY") else "offline"
+    return "online" if wandb_logged_in(environ) else "offline"
 
 
 def final_scalars(metrics: Mapping[str, Any]) -> Dict[str, float]:

@@ -48,7 +48,7 @@ def offline(monkeypatch):
     for k in ("WANDB_API_KEY", "WANDB_MODE"):
         monkeypatch.delenv(k, raising=False)
     for k, v in NO_NETWORK.items():
-        monkeypatch.setenv(k, v)
+        monkeypatch.setenv(k, v)  # also: the ~/.netrc entry of a `wandb login`, if any, is for another server
 
 
 # ---------------------------------------------------------------- config
@@ -72,12 +72,19 @@ def test_log_shorthands_and_checks(tmp_path):
         load_train_config(["log.every_n_steps=0"])
 
 
-def test_wandb_mode_is_offline_without_credentials():
-    assert wandb_mode(WandbConfig(), {}) == "offline"
-    assert wandb_mode(WandbConfig(), {"WANDB_API_KEY": "k"}) == "online"
-    assert wandb_mode(WandbConfig(), {"WANDB_API_KEY": "k", "WANDB_MODE": "offline"}) == "offline"
-    assert wandb_mode(WandbConfig(), {"WANDB_MODE": "disabled"}) == "disabled"
+def test_wandb_mode_is_offline_without_credentials(tmp_path):
+    none = {"NETRC": str(tmp_path / "absent")}
+    assert wandb_mode(WandbConfig(), none) == "offline"
+    assert wandb_mode(WandbConfig(), {**none, "WANDB_API_KEY": "k"}) == "online"
+    assert wandb_mode(WandbConfig(), {**none, "WANDB_API_KEY": "k", "WANDB_MODE": "offline"}) == "offline"
+    assert wandb_mode(WandbConfig(), {**none, "WANDB_MODE": "disabled"}) == "disabled"
     assert wandb_mode(WandbConfig(mode="offline"), {"WANDB_API_KEY": "k", "WANDB_MODE": "online"}) == "offline"
+    # `wandb login`'s ~/.netrc entry counts as credentials, for the server W&B is pointed at
+    rc = tmp_path / "netrc"
+    rc.write_text("machine api.wandb.ai\n  login user\n  password " + "x" * 40 + "\n")
+    rc.chmod(0o600)
+    assert wandb_mode(WandbConfig(), {"NETRC": str(rc)}) == "online"
+    assert wandb_mode(WandbConfig(), {"NETRC": str(rc), "WANDB_BASE_URL": "http://127.0.0.1:9"}) == "offline"
 
 
 def test_sweep_cell_names_and_final_scalars(tmp_path):
