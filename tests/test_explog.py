@@ -12,16 +12,13 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-import fewclip.explog as explog
 from fewclip.cli import main
 from fewclip.config import ConfigError
 from fewclip.engine import cosine_lr
 from fewclip.explog import LogConfig, WandbConfig, final_scalars, for_sweep_cell, wandb_mode
 from fewclip.run import load_train_config, run_train
 from fewclip.sweep import load_sweep_config
-
-sys.path.insert(0, str(Path(__file__).parent))
-from wandb_offline import offline_runs  # noqa: E402  (a helper beside the tests)
+from wandb_offline import offline_runs
 
 # 2 shots x 8 classes in batches of 4: 4 steps per epoch, 3 epochs; validation scored every epoch
 TRAIN = ["train", "adapter=coop", "data=toy-shapes", "shots=2", "seed=1", "train.epochs=3", "train.batch_size=4",
@@ -140,9 +137,11 @@ def test_logging_is_no_part_of_the_run_identity(tmp_path, capsys):
     assert (out / "metrics.json").stat().st_mtime_ns == before
 
 
-def test_every_n_steps_throttles_the_step_scalars(tmp_path):
+def test_every_n_steps_throttles_the_step_scalars_and_a_rerun_replaces_the_event_files(tmp_path):
     out = tmp_path / "run"
-    assert main([*TRAIN, "log=tensorboard", "log.every_n_steps=5", f"out={out}"]) == 0
+    assert main([*TRAIN, "log=tensorboard", f"out={out}"]) == 0
+    assert main([*TRAIN, "log=tensorboard", "log.every_n_steps=5", "overwrite=true", f"out={out}"]) == 0
+    assert len(list((out / "tensorboard" / "run").glob("events.out.tfevents.*"))) == 1
     s = scalars(out / "tensorboard" / "run")
     assert [st for st, _ in s["train/loss"]] == [1, 5, 10]
     assert len(s["epoch/loss"]) == 3  # every epoch still
@@ -256,7 +255,7 @@ def test_wandb_online_without_a_server_gives_one_warning_and_the_run_finishes(tm
     for k, v in NO_NETWORK.items():
         monkeypatch.setenv(k, v)
     cfg = load_train_config([*TRAIN[1:], "log=wandb", "log.wandb.init_timeout_s=2"])
-    assert explog.wandb_mode(cfg.log.wandb) == "online"
+    assert wandb_mode(cfg.log.wandb) == "online"
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="fewclip"):
         m = run_train(cfg, tmp_path / "run")
