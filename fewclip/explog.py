@@ -14,8 +14,9 @@ default: none). A run that trains logs
 Where: TensorBoard's event files go to ``DIR/tensorboard/NAME/`` and W&B's run folders to ``DIR/wandb/``, where
 ``DIR`` is ``log.dir`` (default: the run's out folder; in a sweep the sweep's out folder) and ``NAME`` is
 ``log.name`` (default: the out folder's name; in a sweep the cell's path, ``toy-clip/toy-shapes/coop/1shot/
-seed1``, after ``log.name`` if set). In a sweep every cell is one run, and W&B groups them by ``log.group`` (default: the sweep's
-name, its out folder's name).
+seed1``, after ``log.name`` if set). In a sweep every cell is one run, and W&B groups them by ``log.group``
+(default: the sweep's name, its out folder's name). A run that runs again replaces its event files.
+Logging settings are no part of a run's identity (``fewclip.records``).
 
 W&B's mode (``log.wandb.mode``): ``offline`` writes the run to ``DIR/wandb/offline-run-*`` and opens no
 connection (``wandb sync DIR/wandb`` uploads it later), ``online`` streams to the server, ``disabled`` logs
