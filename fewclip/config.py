@@ -7,7 +7,8 @@ struct mode, so an unknown key or a value of the wrong type fails with a
 message naming the key.
 
 Shorthands: ``backbone=NAME``, ``data=NAME``, ``adapter=NAME`` and (for sweeps)
-``launcher=NAME`` set the section's ``name`` (``backbone=ViT-B-32-quickgelu backbone.pretrained=openai``).
+``launcher=NAME`` set the section's ``name`` (``backbone=ViT-B-32-quickgelu backbone.pretrained=openai``);
+``log=tensorboard`` or ``log=[tensorboard,wandb]`` sets ``log.backends`` (``fewclip.explog``).
 
 A YAML argument that is not an existing file is also looked up among the
 config pieces shipped with fewclip (``configs/`` in the repository), so
@@ -20,13 +21,14 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from fewclip.errors import InputError
 from .presets import FEWCLIP
 from .sections import AdapterConfig, BackboneConfig, TrainConfig
 from fewclip.data import DataConfig
+from fewclip.explog import LogConfig
 from fewclip.protocols import PROTOCOLS, TRANSFER_PROTOCOLS, default_targets
 import yaml
 
@@ -36,6 +38,7 @@ from .confighelp import describe_config, field_help  # noqa: F401  (re-exported:
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 SHORTHANDS = ("backbone", "data", "adapter", "launcher")
+LIST_SHORTHANDS = {"log": "backends"}  # `log=tensorboard`, `log=[tensorboard,wandb]` (fewclip.explog)
 
 
 class ConfigError(InputError):
@@ -64,6 +67,8 @@ class RunConfig:
     transductive: str = field(default="none", metadata={"help": (
         "Score the test set(s) a second time with a transductive plug-in on top of the method's logits, using the "
         "whole test set's features (fewclip.transductive): none, or transclip (metrics.json: top1_transclip).")})
+    log: LogConfig = field(default_factory=LogConfig, metadata={"help": (
+        "Experiment logging (fewclip.explog): log=tensorboard, log=wandb or log=[tensorboard,wandb]; default none.")})
 
     def __post_init__(self) -> None:
         if self.transductive not in ("none", "transclip"):
@@ -195,6 +200,9 @@ def split_args(args: Sequence[str]) -> Tuple[List[str], List[str]]:
             key, value = a.split("=", 1)
             if key in SHORTHANDS:
                 key = f"{key}.name"
+            elif key in LIST_SHORTHANDS:
+                key = f"{key}.{LIST_SHORTHANDS[key]}"
+                value = value if value.lstrip().startswith("[") else f"[{value}]"
             dotlist.append(f"{key}={value}")
         elif a.endswith((".yaml", ".yml")):
             yamls.append(a)
@@ -255,6 +263,10 @@ def compose(schema: Type, args: Sequence[str], base: Optional[DictConfig] = None
             for key in SHORTHANDS:  # allow `backbone: toy-clip` in YAML too
                 if isinstance(piece.get(key, None), str):
                     piece[key] = {"name": piece[key]}
+            for key, leaf in LIST_SHORTHANDS.items():  # `log: tensorboard`, `log: [tensorboard, wandb]`
+                value = piece.get(key, None)
+                if isinstance(value, (str, ListConfig)):
+                    piece[key] = {leaf: [value] if isinstance(value, str) else value}
             cfg = OmegaConf.merge(cfg, piece)
         if dotlist:
             cfg = OmegaConf.merge(cfg, _from_dotlist(dotlist))

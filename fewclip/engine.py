@@ -46,6 +46,7 @@ import torch
 
 from .compiled import StepTuner
 from .cost import RunCost
+from .explog import current as experiment_log
 from .features import Augment, FeatureCache, Features, View, accuracy, extract_features, progress
 from .records import NonFiniteError
 from .rng import forked_global_rng
@@ -353,6 +354,7 @@ def train_loop(adapter, source: FeatureSource, cfg: TrainConfig, shots: int, gen
     history = []
     wants_frozen = bool(getattr(adapter, "wants_frozen_features", False))
     own_lr = getattr(adapter, "learning_rate", None)  # Adapter.learning_rate (2SFS's two stages)
+    xlog = experiment_log()  # the run's experiment log (log=tensorboard|wandb), if any
     step = 0
     adapter.train()
     with forked_global_rng(generator), tuner:  # the tuner puts the eager text step back on the way out
@@ -383,6 +385,7 @@ def train_loop(adapter, source: FeatureSource, cfg: TrainConfig, shots: int, gen
                 opt.zero_grad(set_to_none=True)
                 adapter.backward(terms)
                 opt.step()
+                xlog.step(step + 1, values, opt.param_groups[0]["lr"])
                 opt = tuner.stop(opt)
                 for k, v in values.items():
                     sums[k] = sums.get(k, 0.0) + v * len(idx)
@@ -399,6 +402,7 @@ def train_loop(adapter, source: FeatureSource, cfg: TrainConfig, shots: int, gen
                     if acc > best[0]:
                         best = (acc, copy.deepcopy(adapter.adapter_state_dict()), epoch + 1)
             history.append(entry)
+            xlog.epoch(step, entry)
             bar.set_postfix(epoch=f"{epoch + 1}/{epochs}", loss=f"{entry['loss']:.3f}",
                             **({"val_top1": f"{entry['val_top1']:.1f}"} if "val_top1" in entry else {}))
     bar.close()

@@ -7,7 +7,7 @@ A run's identity is a digest of three parts (:func:`run_identity`):
 
 * ``config``: the resolved config, without the keys that say where results go or how verbose or
   parallel the work is (``IGNORED_CONFIG_KEYS``: ``out``, ``log_level``, ``overwrite``,
-  ``data.workers``, ``backbone.cache_dir``), nor keys added later while they hold their defaults
+  ``data.workers``, ``backbone.cache_dir``, ``log``), nor keys added later while they hold their defaults
   (``LATER_KEY_DEFAULTS``: ``protocol: fewshot``, ``targets: []``, ``data.reader: null``, ``data.prompts: []``,
   ``data.fewshot_file: null``, ``preset: fewclip``, ``preset_set: {}``, so earlier runs keep their identity);
 * ``weights``: the backbone's weights checksum (the sha256 of its weights file, or of its loaded
@@ -64,7 +64,7 @@ METRICS_FILE = "metrics.json"
 # overwrite removes all of them (metrics.json first), and nothing else in the folder.
 RUN_FILES = ("metrics.json", "adapter.safetensors", "split.json", "protocol.json", "config.yaml")
 DERIVED_FILES = ("prompts.safetensors", "export")
-IGNORED_CONFIG_KEYS = ("out", "log_level", "overwrite", "data.workers", "backbone.cache_dir")
+IGNORED_CONFIG_KEYS = ("out", "log_level", "overwrite", "data.workers", "backbone.cache_dir", "log")
 # Keys added to the run config after run records existed: left out of the config part while they hold these
 # defaults, so a finished run keeps its identity when a fewclip that knows the key reads it.
 LATER_KEY_DEFAULTS = {"protocol": "fewshot", "targets": [], "data.reader": None, "data.prompts": [],

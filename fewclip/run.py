@@ -42,6 +42,7 @@ from .cost import RunCost
 from .data import DataConfig, Dataset, build_dataset
 from .engine import RunFeatures, TrainConfig, evaluate, fit_adapter
 from .evals import score_plan
+from .explog import check as check_log, logging_run
 from .feature_file import backbone_of
 from .features import FeatureCache, extract_features
 from .io import atomic_write, atomic_write_text
@@ -225,7 +226,9 @@ def run_train(cfg: TrainRunConfig, out: Path, *, backbone: Optional[Backbone] = 
     plan's training dataset and score it on every test set of the plan; ``method`` labels it in metrics.json.
     ``plan`` (or ``dataset``, its source) and ``backbone`` are built from ``cfg`` when not given; ``cache``
     shares frozen-tower features between the runs of a sweep. An existing run in ``out`` is handled by
-    ``records.open_run``; ``lock``: the directory's lock, already held by the caller."""
+    ``records.open_run``; ``lock``: the directory's lock, already held by the caller. ``cfg.log``: where the run
+    is also logged (``fewclip.explog``)."""
+    check_log(cfg.log)  # a missing logging library fails before any work
     if plan is None:
         log.info("reading the dataset %s (%s protocol)", cfg.data.name, cfg.protocol)
         plan = build_plan(cfg, dataset)
@@ -237,7 +240,10 @@ def run_train(cfg: TrainRunConfig, out: Path, *, backbone: Optional[Backbone] = 
         if run.done:
             log.info("%s: already finished with this config; overwrite=true runs it again", out)
             return run.metrics
-        return _train(run, cfg, out, backbone, plan, cache, split, method)
+        with logging_run(cfg.log, out, config_dict(cfg), to_yaml(cfg)) as xlog:
+            metrics = _train(run, cfg, out, backbone, plan, cache, split, method)
+            xlog.final(metrics)
+        return metrics
 
 
 def _train(run: Run, cfg: TrainRunConfig, out: Path, backbone: Backbone, plan: ProtocolPlan,

@@ -20,6 +20,7 @@ from .adapter import adapter_info
 from .config import ConfigError, section_name_of, to_yaml
 from .dataset_entries import sweep_datasets
 from .errors import FewclipError
+from .explog import check as check_log
 from .io import atomic_write_text
 from .launch import LAUNCHERS, check_launcher, launch
 from .launch.worker import RunSpec, WorkerContext
@@ -125,6 +126,7 @@ def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, Any
     holder is gone is taken over. A failed run does not stop the others; the next sweep runs it again.
     """
     check_launcher(cfg.launcher)  # a missing optional dependency fails now, not after the planning
+    check_log(cfg.log)
     out = prepare_dir(out)
     with sweep_lock(out, cfg.lock_timeout_s):  # the sweep's own files: one writer at a time
         remove_leftovers(out)
@@ -141,6 +143,7 @@ def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, Any
             raise ConfigError(f"sweep run {r['dir']}: {e}") from None
         c.out = str(out / r["dir"])
         c.log_level = cfg.log_level
+        check_log(c.log)  # log=... in sweep.args
         parsed.append(c)
     # Load what the runs need and work out each run's identity: a finished run counts only if it is this one.
     context = WorkerContext(store_setting(cfg.feature_store))  # also the in-process launcher's
@@ -193,7 +196,7 @@ def _spec(p: _Planned, out: Path, cfg: SweepConfig, store: Optional[str]):
     return RunSpec(out=str(Path(out).resolve()), dir=str(r["dir"]), args=tuple(r["args"]), identity=p.identity,
                    method=r["method"], backbone=r["backbone"], dataset=r["dataset"], shots=int(r["shots"]),
                    seed=int(r["seed"]), log_level=cfg.log_level, lock_timeout_s=cfg.lock_timeout_s, store=store,
-                   trains_image_tower=bool(trains))
+                   trains_image_tower=bool(trains), log=cfg.log)
 
 
 def _in_run(e: Exception, r: Dict[str, Any]) -> Exception:

@@ -10,6 +10,7 @@ from omegaconf import OmegaConf
 
 from .config import compose, to_object
 from .dataset_entries import sweep_datasets
+from .explog import LogConfig
 from .protocols import PROTOCOLS, TRANSFER_PROTOCOLS
 from .sections import LauncherConfig, LocalConfig
 
@@ -70,6 +71,9 @@ class SweepConfig:
     feature_store: Optional[str] = field(default=None, metadata={"help": (
         'The on-disk feature store shared by runs, workers and sweeps (fewclip.store): a folder, or "off"; null: '
         'the FEWCLIP_CACHE environment variable, else ~/.cache/fewclip/features.')})
+    log: LogConfig = field(default_factory=LogConfig, metadata={"help": (
+        "Experiment logging of every run (fewclip.explog): log=tensorboard, log=wandb or log=[tensorboard,wandb]; "
+        "one run per cell, TensorBoard's under OUT/tensorboard/<cell>, W&B's grouped by the sweep's name.")})
 
     def __post_init__(self) -> None:
         if self.lock_timeout_s is not None and not 0 < self.lock_timeout_s < float("inf"):

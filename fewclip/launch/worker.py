@@ -26,6 +26,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from fewclip.progress import quiet_bars
 from fewclip.errors import describe
+from fewclip.explog import LogConfig, for_sweep_cell
 from fewclip.records import RunError
 from fewclip.records import RECORD_KEY, claim_run, clear_run, read_metrics, run_state
 from fewclip.run import load_train_config, run_train
@@ -57,6 +58,7 @@ class RunSpec:
     lock_timeout_s: Optional[float] = None
     store: Optional[str] = None  # the feature store's root (None: no store)
     trains_image_tower: bool = False
+    log: Optional[LogConfig] = None  # the sweep's log section (fewclip.explog); none: the run's own
 
     @property
     def path(self) -> Path:
@@ -179,6 +181,7 @@ def _run(spec: RunSpec, context: WorkerContext, lock) -> Dict[str, Any]:
     cfg = load_train_config(list(spec.args))
     cfg.out = str(spec.path)
     cfg.log_level = spec.log_level
+    cfg.log = for_sweep_cell(spec.log, cfg.log, spec.out, spec.dir)  # a logged run per cell, grouped by sweep
     backbone, plan = context.resources(cfg)
     log.info("run %s on %s (pid %d)", spec.dir, socket.gethostname(), os.getpid())
     return run_train(cfg, spec.path, backbone=backbone, plan=plan, cache=context.cache, method=spec.method,
