@@ -20,7 +20,8 @@ from pathlib import Path
 COMMANDS = [["--help"], ["backbones", "--help"], ["datasets", "--help"], ["adapters", "--help"],
             ["cache", "--help"], ["report", "--help"], ["export", "--help"], ["predict", "--help"],
             ["import", "--help"], ["zeroshot", "--help"], ["train", "--help"], ["train", "adapter=lora", "--help"],
-            ["sweep", "--help"], ["sweep", "launcher=slurm", "--help"], ["features", "--help"]]
+            ["sweep", "--help"], ["sweep", "launcher=slurm", "--help"], ["features", "--help"],
+            ["published", "--help"], ["split", "--help"]]
 
 
 def cpu_seconds(argv) -> float:
