@@ -8,7 +8,7 @@ from safetensors.torch import load_file
 
 from fewclip.adapter import AdapterError
 from fewclip.adapters.skiptuning import SkipTuning, SkipTuningConfig, always_run, reserve_ratios, skip_classes
-from fewclip.backbones import build_open_clip_model
+from fewclip.backbones import _card_model_config, build_open_clip_model, read_card, shipped_cards
 from fewclip.config import ConfigError
 from fewclip.export import export_run, load_prompts, read_metadata
 from fewclip.features import text_prototypes
@@ -160,8 +160,6 @@ def test_a_run_trains_and_both_exports_predict_what_it_scored(skip_run, tmp_path
     merged_file = tmp_path / "skip.merged.safetensors"
     assert read_metadata(path)["format"] == "fewclip.adapter"
     assert read_metadata(merged_file)["format"] == "fewclip.tower"
-    from fewclip.backbones import _card_model_config, read_card, shipped_cards  # as tests/test_towers.py
-
     plain = build_open_clip_model(_card_model_config(read_card(shipped_cards()["toy-clip"]))).eval()
     plain.load_state_dict(load_file(str(merged_file)), strict=True)
     items = run_test_items(shapes, 24)  # the run's own test images
