@@ -135,7 +135,12 @@ class SkipTuning(TowerWeightsAdapter):
     def __init__(self, cfg: SkipTuningConfig, backbone, classnames: Sequence[str], templates: Sequence[str] = (), *,
                  generator: Optional[torch.Generator] = None):
         model = shared_copy(backbone.model)
-        visual = vision_transformer(model, "SkipTuning")
+        try:
+            visual = vision_transformer(model, "SkipTuning")
+        except AdapterError:  # its advice is for prompt methods; SkipTuning always tunes both towers
+            raise AdapterError(f"SkipTuning tunes the upper blocks of an open_clip VisionTransformer (pooled at its "
+                               f"class token or by averaging, batch-first blocks); this backbone's image tower is a "
+                               f"{type(getattr(model, 'visual', None)).__name__}: use a ViT backbone") from None
         tuned, self_starts = {}, {}
         for tower in ("text", "vision"):
             try:
