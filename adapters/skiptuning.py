@@ -16,7 +16,8 @@ are tuned (their ``FinetuneCLIP`` with both towers learnable), from block ``star
   labels first), the top ``ceil(top_ratio x C)`` (at most ``max_top``) are kept, and the rank positions after
   them are kept with probability ``(e^(-x/lambda) - e^(-5/lambda)) / (1 - e^(-5/lambda))`` on ``x =
   linspace(0, 5)`` (their min-max normalised exponential density), drawn once at construction from the
-  adapter's generator and then fixed, as theirs is drawn once. The cross-entropy is over the kept classes.
+  adapter's generator and then fixed, as theirs is drawn once; the first ``batch size`` ranks, where the
+  batch's labels are, always run. The cross-entropy is over the kept classes.
 * **Token dropping** (``drop_ratio``, 0 in their configs): a random share in [0, drop_ratio) of the patch
   tokens leaves the image tower at ``start_layer``.
 
@@ -104,21 +105,27 @@ def reserve_ratios(n_classes: int, n_top: int, lam: float) -> torch.Tensor:
     return torch.cat([torch.ones(n_top, dtype=torch.float64), pdf]).float()
 
 
-def skip_classes(scores: torch.Tensor, labels: torch.Tensor, keep: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def run_ranks(keep: torch.Tensor, batch: int) -> torch.Tensor:
+    """The rank positions [K] (ascending) a step on a batch of ``batch`` images runs: those ``keep`` [C] marks and
+    the first ``batch``, where the batch's labels rank, so that every label runs (their code would turn a label
+    outside the classes run into class 0). Computed once per batch size: a step needs no host sync."""
+    keep = keep.detach().cpu().clone()
+    keep[:batch] = True
+    return keep.nonzero().flatten()
+
+
+def skip_classes(scores: torch.Tensor, labels: torch.Tensor, ranks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """The classes a step runs and the labels among them: ``scores`` [B, C] of the batch against the class
-    prototypes, ``labels`` [B], ``keep`` [C] which rank positions are run. The classes are ranked by their
-    highest score over the batch with the batch's labels first; returns the kept class indices [K] in
-    ascending order and each label's position among them [B]. The batch's labels are always kept (their
-    code would turn a dropped label into class 0)."""
+    prototypes, ``labels`` [B], ``ranks`` [K] the rank positions run (``run_ranks``). The classes are ranked by
+    their highest score over the batch, the batch's labels first; returns the class indices [K] at those ranks
+    in ascending order and each label's position among them [B]."""
     B, C = scores.shape
     s = scores.detach().clone()
     s[torch.arange(B, device=s.device), labels] = float("inf")  # the labels rank first (theirs: 1e4)
     order = s.max(dim=0).values.sort(descending=True).indices  # C: classes by rank
-    keep = keep.to(s.device).clone()
-    keep[: int(labels.unique().numel())] = True  # the labels' ranks
-    classes = order[keep].sort().values  # K
+    classes = order[ranks.to(s.device)].sort().values  # K
     position = torch.full((C,), -1, dtype=torch.long, device=s.device)
-    position[classes] = torch.arange(len(classes), device=s.device)
+    position[classes] = torch.arange(classes.shape[0], device=s.device)
     return classes, position[labels]
 
 
@@ -184,8 +191,7 @@ class SkipTuning(TowerWeightsAdapter):
         n_top = always_run(C, cfg.top_ratio, cfg.max_top)
         self.skips_classes = not (cfg.top_ratio == 1.0 or n_top == C)
         gen = generator if generator is not None else torch.Generator().manual_seed(0)
-        keep = torch.rand(C, generator=gen) < reserve_ratios(C, n_top, cfg.reserve_lambda)
-        self.register_buffer("keep", keep, persistent=False)  # which rank positions a step runs
+        self.set_keep(torch.rand(C, generator=gen) < reserve_ratios(C, n_top, cfg.reserve_lambda))
 
     @classmethod
     def will_train_image_tower(cls, cfg: SkipTuningConfig) -> bool:
@@ -230,6 +236,17 @@ class SkipTuning(TowerWeightsAdapter):
         return text_upper_blocks(self.tower, h, tokens, self.start["text"])
 
     # -- training -------------------------------------------------------------
+    def set_keep(self, keep: torch.Tensor) -> None:
+        """Which rank positions [C] a step runs (drawn once at construction; on the host, not a buffer)."""
+        self.keep = keep.detach().cpu().bool()
+        self._ranks: Dict[Tuple[int, str], torch.Tensor] = {}  # (batch size, device) -> run_ranks on the device
+
+    def step_ranks(self, batch: int, device: torch.device) -> torch.Tensor:
+        key = (batch, str(device))
+        if key not in self._ranks:
+            self._ranks[key] = run_ranks(self.keep, batch).to(device)
+        return self._ranks[key]
+
     def training_loss(self, features: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Tensor]:
         """Cross-entropy over the classes this step runs (module docstring)."""
         g = self.backbone.geometry
@@ -237,9 +254,9 @@ class SkipTuning(TowerWeightsAdapter):
             return {"loss": F.cross_entropy(self(features).float(), labels)}
         with torch.no_grad():
             scores = g.image_logits(features.detach().float(), self.class_protos)
-        classes, target = skip_classes(scores, labels, self.keep)
+        classes, target = skip_classes(scores, labels, self.step_ranks(labels.shape[0], scores.device))
         emb = g.embed_text(self.text_features(classes))
-        protos = g.prototype(emb.reshape(len(classes), len(self.templates), -1))
+        protos = g.prototype(emb.reshape(classes.shape[0], len(self.templates), -1))
         logits = g.image_logits(features, protos)
         return {"loss": F.cross_entropy(logits.float(), target)}
 

@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from fewclip.adapter import AdapterError
-from fewclip.adapters.skiptuning import SkipTuning, SkipTuningConfig, always_run, reserve_ratios, skip_classes
+from fewclip.adapters.skiptuning import (SkipTuning, SkipTuningConfig, always_run, reserve_ratios, run_ranks,
+                                        skip_classes)
 from fewclip.backbones import _card_model_config, build_open_clip_model, read_card, shipped_cards
 from fewclip.config import ConfigError
 from fewclip.export import export_run, load_prompts, read_metadata
@@ -40,7 +41,8 @@ def test_starts_at_zero_shot_in_every_geometry(name, start, cards):  # noqa: F81
         torch.testing.assert_close(ad(feats), expected, rtol=1e-4, atol=1e-4)
         # the step's loss at the start: cross-entropy of the zero-shot logits over the classes it runs
         labels = torch.tensor([0, 3, 3])
-        classes, target = skip_classes(bb.geometry.image_logits(feats, ad.class_protos), labels, ad.keep)
+        classes, target = skip_classes(bb.geometry.image_logits(feats, ad.class_protos), labels,
+                                       run_ranks(ad.keep, len(labels)))
         assert len(classes) < len(NAMES)
         want = F.cross_entropy(expected[:, classes], target)
         torch.testing.assert_close(ad.training_loss(feats, labels)["loss"], want, rtol=1e-4, atol=1e-4)
@@ -55,13 +57,14 @@ def test_class_skipping_in_numbers():
     assert torch.isnan(reserve_ratios(3, 2, 0.3)[2])  # one rank after the top: 0/0 as theirs, never kept
     scores = torch.tensor([[0.9, 0.1, 0.5, 0.3, 0.0],
                            [0.2, 0.0, 0.8, 0.1, 0.7]])
-    keep = torch.tensor([True, True, False, True, False])  # ranks 0, 1 and 3
+    keep = torch.tensor([True, False, False, True, False])  # ranks 0 and 3, and the batch's first 2
+    assert run_ranks(keep, 2).tolist() == [0, 1, 3]
     # labels 1 and 3 rank first; then by the best score over the batch: class 0 (0.9), 2 (0.8), 4 (0.7)
-    classes, target = skip_classes(scores, torch.tensor([1, 3]), keep)
+    classes, target = skip_classes(scores, torch.tensor([1, 3]), run_ranks(keep, 2))
     assert classes.tolist() == [1, 2, 3] and target.tolist() == [0, 2]
     # more labels than kept ranks: every label is still run (their code would relabel a dropped one as 0)
-    classes, target = skip_classes(scores[[0, 1, 1]], torch.tensor([1, 3, 4]),
-                                   torch.tensor([True, False, False, False, False]))
+    keep = torch.tensor([True, False, False, False, False])
+    classes, target = skip_classes(scores[[0, 1, 1]], torch.tensor([1, 3, 4]), run_ranks(keep, 3))
     assert classes.tolist() == [1, 3, 4] and target.tolist() == [0, 1, 2]
 
 
