@@ -1,6 +1,8 @@
 """SkipTuning (adapters/skiptuning.py): zero-shot at the start in every geometry, class-wise skipping as a few
 numbers, only the upper blocks train and the lower ones keep no activations, a run trains, and both exports
 predict what the run scored. Its authors' numbers: tests/test_skiptuning_parity.py."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -117,6 +119,15 @@ def test_start_layer_past_the_towers_and_bad_config_name_the_field():
                        ("image_lr_scale", 0), ("max_top", 0)]:
         with pytest.raises(ConfigError, match=rf"adapter\.{key}"):
             load_train_config(["adapter=skiptuning", f"adapter.{key}={value}"])
+
+
+def test_an_image_tower_that_is_no_vit_is_refused_with_the_fix():
+    model = build_open_clip_model({"embed_dim": 16, "vision_cfg": {"image_size": 32, "layers": [1, 1, 1, 1],
+                                                                   "width": 8},
+                                   "text_cfg": {"context_length": 8, "vocab_size": 100, "width": 16, "heads": 2,
+                                                "layers": 1}})
+    with pytest.raises(AdapterError, match="image tower is a ModifiedResNet: use a ViT backbone"):
+        SkipTuning(SkipTuningConfig(), SimpleNamespace(model=model), NAMES, TEMPLATES)
 
 
 def test_train_defaults_are_their_base_to_novel_recipe():
