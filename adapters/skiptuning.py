@@ -148,7 +148,7 @@ class SkipTuning(TowerWeightsAdapter):
             raise AdapterError(f"SkipTuning tunes the upper blocks of an open_clip VisionTransformer (pooled at its "
                                f"class token or by averaging, batch-first blocks); this backbone's image tower is a "
                                f"{type(getattr(model, 'visual', None)).__name__}: use a ViT backbone") from None
-        tuned, self_starts = {}, {}
+        tuned, starts = {}, {}
         for tower in ("text", "vision"):
             try:
                 prefix, blocks = tower_blocks(model, tower)
@@ -159,7 +159,7 @@ class SkipTuning(TowerWeightsAdapter):
             if k > len(blocks):
                 raise AdapterError(f"adapter.start_layer={k} is past the {len(blocks)} blocks of this backbone's "
                                    f"{tower} tower; use at most {len(blocks)} (or null: half of each tower)")
-            self_starts[tower] = k
+            starts[tower] = k
             for i in range(k, len(blocks)):
                 tuned[f"{prefix}.{i}"] = copy.deepcopy(blocks[i])
         names = {id(m): n for n, m in model.named_modules()}
@@ -178,7 +178,7 @@ class SkipTuning(TowerWeightsAdapter):
                 setattr(owner, attr, new)
                 params[f"{names[id(owner)]}.{attr}".lstrip(".")] = new
         super().__init__(cfg, backbone, classnames, templates, model, adapts_text=True, trains_image_tower=True)
-        self.start = self_starts
+        self.start = starts
         self.blocks = nn.ModuleDict({n.replace(".", "__"): m for n, m in {**tuned, **heads}.items()})
         self.projections = nn.ParameterDict({n.replace(".", "__"): p for n, p in params.items()})
         self._image_keys = (names[id(visual)].replace(".", "__") + "__",)
