@@ -17,3 +17,4 @@ __all__ = ["ADAPTERS", "EXPORT_FORMATS", "Adapter", "AdapterConfig", "AdapterErr
            "build_adapter", "export_format", "register_adapter"]
 from . import clip_svd  # noqa: F401  (registration)
 from . import twosfs  # noqa: F401  (registration)
+from . import skiptuning  # noqa: F401  (registration)

@@ -96,13 +96,8 @@ def encode_image_deep(visual: nn.Module, pixels: torch.Tensor, prompts: Optional
     representation tokens): appended before block ``first`` to its input (after ``ln_pre``, which they do not
     go through, also for ``first=0``), replaced before each later one. ``return_tokens``: also the last block's outputs at the prompts'
     positions [B, n, W] (before ``ln_post``)."""
-    x = visual.conv1(pixels)  # B, W, gh, gw
-    B, W = x.shape[:2]
-    x = x.reshape(B, W, -1).permute(0, 2, 1)  # B, N, W
-    cls = visual.class_embedding.view(1, 1, -1).expand(B, -1, -1).to(x.dtype)
-    x = torch.cat([cls, x], dim=1) + visual.positional_embedding.to(x.dtype)  # B, 1+N, W
-    x = visual.patch_dropout(x)
-    T = x.shape[1]  # class token + patches: the prompts start here
+    x = vision_tokens(visual, pixels)  # B, 1+N, W
+    B, T = x.shape[:2]  # T: class token + patches; the prompts start here
     J = 0 if prompts is None else prompts.shape[0]
     if J and first is None:
         x = torch.cat([x, prompts[0].to(x.dtype).unsqueeze(0).expand(B, -1, -1)], dim=1)  # B, T+n, W
@@ -114,6 +109,24 @@ def encode_image_deep(visual: nn.Module, pixels: torch.Tensor, prompts: Optional
         elif 1 <= j < J:  # replace the previous prompts' outputs by this layer's prompts
             x = torch.cat([x[:, :T], prompts[j].to(x.dtype).unsqueeze(0).expand(B, -1, -1)], dim=1)
         x = _run_block(blk, x, None, checkpoint)
+    pooled = vision_pool(visual, x, T)
+    return (pooled, x[:, T:]) if return_tokens else pooled
+
+
+def vision_tokens(visual: nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+    """The input tokens [B, 1+N, W] of an open_clip ``VisionTransformer`` (``vision_transformer``): patch
+    embedding, class token in front, positional embedding, patch dropout; before ``ln_pre``."""
+    x = visual.conv1(pixels)  # B, W, gh, gw
+    B, W = x.shape[:2]
+    x = x.reshape(B, W, -1).permute(0, 2, 1)  # B, N, W
+    cls = visual.class_embedding.view(1, 1, -1).expand(B, -1, -1).to(x.dtype)
+    x = torch.cat([cls, x], dim=1) + visual.positional_embedding.to(x.dtype)  # B, 1+N, W
+    return visual.patch_dropout(x)
+
+
+def vision_pool(visual: nn.Module, x: torch.Tensor, T: int) -> torch.Tensor:
+    """Raw features [B, D] from the last block's output ``x`` [B, T', W] whose first ``T`` tokens are the class
+    token and the patches (any after them, prompts, are not pooled): ``ln_post``, pooling, projection."""
     if visual.pool_type == "tok":
         pooled = visual.ln_post(x[:, 0])  # LayerNorm acts per token: pooling first changes nothing
     elif visual.final_ln_after_pool:
@@ -122,7 +135,7 @@ def encode_image_deep(visual: nn.Module, pixels: torch.Tensor, prompts: Optional
         pooled = visual.ln_post(x[:, 1:T]).mean(dim=1)
     if visual.proj is not None:
         pooled = pooled @ visual.proj
-    return (pooled, x[:, T:]) if return_tokens else pooled
+    return pooled
 
 
 def text_mask(tower: TextTower, tokens: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -152,6 +165,18 @@ def text_lower_blocks(tower: TextTower, x: torch.Tensor, tokens: torch.Tensor, f
     for blk in list(tower.transformer.resblocks)[:first]:
         x = blk(x, attn_mask=mask)
     return x
+
+
+def text_upper_blocks(tower: TextTower, h: torch.Tensor, tokens: torch.Tensor, first: int, *,
+                      checkpoint: bool = False) -> torch.Tensor:
+    """Raw text features [N, D] from the hidden states ``h`` [N, L, W] after the first ``first`` blocks
+    (``text_lower_blocks``) of ids ``tokens`` [N, L]: the remaining blocks, pooling, final LayerNorm and
+    projection; ``text_upper_blocks(tower, text_lower_blocks(tower, x, tokens, k), tokens, k)`` is the tower."""
+    mask = tower.attention_mask(tokens, tower.dtype)
+    x = h
+    for blk in list(tower.transformer.resblocks)[first:]:
+        x = _run_block(blk, x, mask, checkpoint)
+    return tower.head(tower.pool(x, tokens))
 
 
 def encode_text_inserted(tower: TextTower, h: torch.Tensor, tokens: torch.Tensor, prompts: torch.Tensor, first: int,

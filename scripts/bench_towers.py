@@ -1,9 +1,10 @@
 """Benchmark one training step of the methods that tune the towers' weights: fewclip's step against the
-authors' procedure.
+authors' procedure (SkipTuning: also against the un-skipped procedure it saves on).
 
     python scripts/bench_towers.py                                  # ViT-B-16 (random weights), 100 classes, CPU
     python scripts/bench_towers.py arch=toy-clip classes=8 steps=5 threads=1
     python scripts/bench_towers.py classes=1000 device=cuda out=towers.json
+    python scripts/bench_towers.py methods=skiptuning classes=1000   # SkipTuning's savings, ImageNet's classes
 
 What the procedures do (``procedures=``, a comma list), for CLIP-SVD (``clip_svd``) and 2SFS's stage 1
 (``2sfs``: its LayerNorms in both towers; stage 2 trains a [C, D] classifier on image-tower outputs under
@@ -20,7 +21,20 @@ no_grad, the same in both procedures):
   causal mask); autocast ``amp`` on CUDA.
 * ``fewclip_text``: ``fewclip`` with ``adapter.towers=text``: the image tower stays frozen, so its features
   come from the run's feature store (computed once per image and view, outside the step: here a
-  precomputed tensor).
+  precomputed tensor). Not for SkipTuning, which always tunes both towers.
+
+SkipTuning (``skiptuning``, its defaults: blocks from the middle up tuned in both towers, half of the classes
+(at most 50) always run) has two more procedures, and its speed-up and memory are given against
+``unskipped``:
+
+* ``unskipped``: what it saves on, their full fine-tuning (``trainers/baselines/ft_clip.py`` ``FinetuneCLIP``,
+  ``START_LAYER 0``): every block of both towers tuned, every class through the whole text tower at every step
+  (``adapter.start_layer=0 adapter.top_ratio=1``).
+* ``fewclip_layers``: layer-wise skipping only (``adapter.top_ratio=1``: every class at every step).
+* ``authors``: ``fewclip`` with the class prompts at the full context length (their ``clip.tokenize``). Their
+  trainer runs the frozen lower image blocks once per epoch over the training set (batches of 128, kept on the
+  CPU) rather than inside the step; fewclip runs them inside the step, without gradients: the same
+  multiply-adds per image, counted here in both steps.
 
 Each (method, procedure) runs in a fresh Python process (this script with ``worker=``); memory as in
 ``scripts/bench_deep.py`` (CUDA: the allocator's peak over the steps over what was allocated before; CPU: the
@@ -42,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from bench_deep import classnames, split, sync
+from fewclip.adapters._deep import text_lower_blocks
 from fewclip.backbones import BackboneConfig, load_backbone, resolve_device, shipped_cards
 from fewclip.config import as_dict, load_config
 from fewclip.cost import MiB, peak_rss_bytes, reset_peak_rss, rss_bytes
@@ -49,19 +64,27 @@ from fewclip.io import atomic_write_json, read_json
 
 log = logging.getLogger("bench_towers")
 
-METHODS = ("clip_svd", "2sfs")
+METHODS = ("clip_svd", "2sfs", "skiptuning")
 PROCEDURES = {
     "authors": "authors' procedure: text at full length (CLIP-SVD: their factor chain on every call)",
     "fewclip": "fewclip: text cut to the longest prompt (CLIP-SVD: chain or rebuilt weight, the cheaper)",
     "fewclip_text": "fewclip, text tower only: image features from the feature store",
+    "fewclip_layers": "SkipTuning with layer-wise skipping only: every class at every step",
+    "unskipped": "SkipTuning's baseline: full fine-tuning of every block of both towers on every class",
 }
+# the procedures that apply to each method (the others are left out of a run), and the row a method's speed-up
+# and memory are measured against
+APPLIES = {"clip_svd": ("authors", "fewclip", "fewclip_text"), "2sfs": ("authors", "fewclip", "fewclip_text"),
+           "skiptuning": ("authors", "fewclip", "fewclip_layers", "unskipped")}
+REFERENCE = {"skiptuning": "unskipped"}
+SKIPTUNING = {"fewclip_layers": {"top_ratio": 1.0}, "unskipped": {"start_layer": 0, "top_ratio": 1.0}}
 
 
 @dataclass
 class BenchConfig:
     arch: str = "ViT-B-16"
-    methods: str = "clip_svd,2sfs"
-    procedures: str = "authors,fewclip,fewclip_text"
+    methods: str = "clip_svd,2sfs,skiptuning"
+    procedures: str = "authors,fewclip,fewclip_text,fewclip_layers,unskipped"
     classes: int = 100
     batch: int = 4
     steps: int = 3
@@ -97,12 +120,18 @@ def build(method: str, procedure: str, bb, names):
 
     info = adapter_info(method)
     options = {"towers": "text"} if procedure == "fewclip_text" else {}
+    if method == "skiptuning":
+        options = SKIPTUNING.get(procedure, {})
     adapter = build_adapter(info.config_cls(**options), bb, names, ["a photo of a {}."])
     if procedure == "authors":
         for layer in getattr(adapter, "svd", {}).values():
             layer.forward = chain_forward(layer)
         texts = [f"a photo of a {c}." for c in names]
         adapter.tokens = bb.tokenize(texts).to(bb.device)  # clip.tokenize: the full context length
+        if method == "skiptuning":  # the frozen lower text blocks' output, at that length
+            with torch.no_grad():
+                adapter.text_mid = text_lower_blocks(adapter.tower, adapter.tower.embed(adapter.tokens),
+                                                     adapter.tokens, adapter.start["text"])
     return adapter
 
 
@@ -117,7 +146,8 @@ def run_worker(cfg: BenchConfig) -> Dict:
     bb = load_backbone(BackboneConfig(name=cfg.arch, pretrained=None if is_card else "none", device=cfg.device))
     adapter = build(method, procedure, bb, classnames(cfg.classes, bb.tokenizer))
     params = adapter.trainable_parameters()
-    opt = make_optimizer(params, TrainConfig(**{k: v for k, v in adapter.train_defaults.items()
+    groups = adapter.param_groups() if hasattr(adapter, "param_groups") else params  # SkipTuning's staged lr
+    opt = make_optimizer(groups, TrainConfig(**{k: v for k, v in adapter.train_defaults.items()
                                                if k != "iterations_per_shot"}))
     B, S = cfg.batch, bb.image_size
     pixels = torch.randn(B, 3, S, S, device=dev)
@@ -185,6 +215,8 @@ def main(argv):
     with tempfile.TemporaryDirectory(prefix="bench_towers_") as tmp:
         for m in split(cfg.methods):
             for p in split(cfg.procedures):
+                if p not in APPLIES[m]:
+                    continue
                 log.info("%s, %s: %d step(s) in a fresh process ...", m, p, cfg.steps)
                 rows.append(run_one(cfg, f"{m}:{p}", str(dev), tmp))
     where = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
@@ -193,11 +225,13 @@ def main(argv):
     print(f"Tower-weight methods, one training step: {cfg.arch} ({rows[0]['backbone_params']:,} backbone "
           f"parameters), {cfg.classes} classes, batch {cfg.batch}, median of {cfg.steps} step(s), on {where}, "
           f"torch {torch.__version__}; each row in a fresh process")
+    print("Speed-up and memory against the authors' procedure (SkipTuning: against the un-skipped one).")
     print("| method | procedure | text tokens | trainable | s/step | speed-up | before step (MiB) | step extra (MiB) "
-          "| step extra vs authors |")
+          "| step extra vs reference |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        ref = next((x for x in rows if x["method"] == r["method"] and x["procedure"] == "authors"), None)
+        ref = next((x for x in rows if x["method"] == r["method"]
+                    and x["procedure"] == REFERENCE.get(r["method"], "authors")), None)
         speed = f"{ref['s_per_step'] / r['s_per_step']:.2f}x" if ref else "-"
         mem = f"{r['step_extra_mib'] / ref['step_extra_mib']:.2f}x" if ref and ref["step_extra_mib"] > 0 else "-"
         print(f"| {r['method']} | {r['procedure']} | {r['text_tokens']} | {r['trainable_params']:,} | "
