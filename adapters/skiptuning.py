@@ -24,8 +24,9 @@ are tuned (their ``FinetuneCLIP`` with both towers learnable), from block ``star
 Their base-to-novel recipe (``configs/trainers/SkipTuning/vit_b16_bs4.yaml``, ``train.py`` ``extend_cfg``) is
 the default: SGD lr 2e-5 (momentum 0.9, weight decay 5e-4), batch 4, 20 epochs, cosine after one warm-up
 epoch at 1e-6, and a staged learning rate: the image tower's tensors at 5e-6 (``image_lr_scale`` 0.25).
-Their few-shot config: ``train.lr=1e-5 train.epochs=40 train.warmup_epochs=0 adapter.image_lr_scale=1``;
-cross-dataset: ``train.lr=1e-5 train.warmup_lr=1e-8 adapter.image_lr_scale=0.1``; ImageNet, SUN397 and
+Their few-shot config is ``preset=fewshot`` (``train.lr=1e-5 train.epochs=40 train.warmup_epochs=0
+adapter.image_lr_scale=1``), their cross-dataset one ``preset=cross_dataset`` (``train.lr=1e-5 train.warmup_lr=1e-8
+adapter.image_lr_scale=0.1``); ImageNet, SUN397 and
 Food101 run a quarter of the epochs.
 
 Everything is scored in the backbone's geometry (``fewclip.geometry``): before a step the trained copies are the
@@ -47,6 +48,7 @@ import torch.nn.functional as F
 from ._deep import _run_block, text_lower_blocks, text_upper_blocks, vision_pool, vision_tokens, vision_transformer
 from ._towers import TOWER, TowerWeightsAdapter, replace_module, shared_copy, tower_blocks
 from fewclip.adapter import AdapterConfig, AdapterError, register_adapter
+from fewclip.presets import Preset, Setting, register_presets
 
 
 @dataclass
@@ -274,3 +276,24 @@ class SkipTuning(TowerWeightsAdapter):
 
 
 register_adapter("skiptuning", SkipTuningConfig, SkipTuning, export=TOWER)
+
+SKIP = "Koorye/SkipTuning@8c4636e configs/trainers/SkipTuning"
+register_presets(
+    "skiptuning",
+    Preset("authors", f"SkipTuning's base-to-novel config ({SKIP}/vit_b16_bs4.yaml): fewclip's defaults "
+                      "(tests/test_skiptuning_parity.py)", not_expressed=(
+        "batches of one class each from 4 shots up (their sampler); fewclip's batches mix classes",
+        "fp16 weights (their default precision); fewclip trains float32 under autocast",
+        "a quarter of the epochs on ImageNet, SUN397 and Food101 (their trainer): set train.epochs=5 there")),
+    Preset("fewshot", f"SkipTuning's few-shot config ({SKIP}/vit_b16_bs4_few_shot.yaml)", settings=(
+        Setting("train.lr", 1e-5, f"{SKIP}/vit_b16_bs4_few_shot.yaml:17", "their few-shot learning rate"),
+        Setting("train.epochs", 40, f"{SKIP}/vit_b16_bs4_few_shot.yaml:18", "their few-shot epochs"),
+        Setting("train.warmup_epochs", 0, f"{SKIP}/vit_b16_bs4_few_shot.yaml:20", "no warm-up"),
+        Setting("adapter.image_lr_scale", 1.0, f"{SKIP}/vit_b16_bs4_few_shot.yaml:15-23",
+                "no staged learning rate: both towers at train.lr"))),
+    Preset("cross_dataset", f"SkipTuning's cross-dataset config ({SKIP}/vit_b16_bs4_cross_datasets.yaml)", settings=(
+        Setting("train.lr", 1e-5, f"{SKIP}/vit_b16_bs4_cross_datasets.yaml:17", "their cross-dataset learning rate"),
+        Setting("train.warmup_lr", 1e-8, f"{SKIP}/vit_b16_bs4_cross_datasets.yaml:22", "their warm-up rate"),
+        Setting("adapter.image_lr_scale", 0.1, f"{SKIP}/vit_b16_bs4_cross_datasets.yaml:24-25",
+                "their staged NEW_LR 1e-6 against LR 1e-5"))),
+)
