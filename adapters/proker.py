@@ -53,6 +53,7 @@ from fewclip.presets import Preset, Setting, register_presets
 log = logging.getLogger(__name__)
 
 SOLVERS = ("auto", "direct", "cg")
+CG_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
 
 @dataclass
@@ -73,8 +74,13 @@ class ProKeRConfig(AdapterConfig):
     solver: str = field(default="auto", metadata={"help": "'direct' (the N x N kernel), 'cg' (conjugate gradients, "
                                                           "kernel never stored) or 'auto' (cg above direct_max)"})
     direct_max: int = field(default=20000, metadata={"help": "largest N solved directly under solver=auto"})
-    chunk: int = field(default=1024, metadata={"help": "kernel rows computed at a time by the cg solver"})
-    cg_tol: float = field(default=1e-8, metadata={"help": "relative residual at which cg stops (per class)"})
+    chunk: int = field(default=1024, metadata={"help": "training points scored at a time at prediction"})
+    cg_block: int = field(default=4096, metadata={"help": "side of the kernel tiles the cg solver computes at a time"})
+    cg_dtype: str = field(default="float32", metadata={"help": "precision of the cg solver's kernel tiles and their "
+                                                               "products, summed in float64: 'float32' or 'float64'"})
+    cg_rank: int = field(default=1000, metadata={"help": "rank of the cg solver's Nystrom preconditioner (0: none)"})
+    cg_tol: float = field(default=1e-6, metadata={"help": "relative residual at which cg stops (per class); float32 "
+                                                          "tiles reach about 1e-7"})
     cg_max_iter: int = field(default=2000, metadata={"help": "most cg iterations"})
 
     def __post_init__(self) -> None:
@@ -92,7 +98,11 @@ class ProKeRConfig(AdapterConfig):
             raise ValueError(f"adapter.tie_break must be one of {', '.join(TIE_BREAKS)}, got {self.tie_break!r}")
         if self.solver not in SOLVERS:
             raise ValueError(f"adapter.solver must be one of {', '.join(SOLVERS)}, got {self.solver!r}")
-        for key in ("direct_max", "chunk", "cg_max_iter"):
+        if self.cg_dtype not in CG_DTYPES:
+            raise ValueError(f"adapter.cg_dtype must be one of {', '.join(CG_DTYPES)}, got {self.cg_dtype!r}")
+        if self.cg_rank < 0:
+            raise ValueError(f"adapter.cg_rank must be >= 0 (0: no preconditioner), got {self.cg_rank}")
+        for key in ("direct_max", "chunk", "cg_block", "cg_max_iter"):
             if getattr(self, key) < 1:
                 raise ValueError(f"adapter.{key} must be >= 1, got {getattr(self, key)}")
 
@@ -122,39 +132,133 @@ def solve_direct(K: Tensor, R: Tensor, lmbda: float) -> Tensor:
     return torch.linalg.solve(system, R)  # not numerically positive definite (a kernel that is not PSD in float)
 
 
+class KernelOperator:
+    """``v -> (K / lambda + I) v`` for the kernel of ``keys`` [N, D], in ``block`` x ``block`` tiles computed as
+    they are needed and never stored (memory O(block^2) beyond the vectors).
+
+    Each tile is one similarity matmul, an in-place ``exp`` and two matmuls: ``K`` is symmetric, so a tile
+    above the diagonal serves both its rows and (transposed) its columns, and every kernel entry is computed
+    once per product. Tiles and their products are in ``dtype`` (float32: the authors' precision, three times
+    faster than float64 here), summed over the tiles in float64."""
+
+    def __init__(self, geometry: Geometry, keys: Tensor, beta: float, lmbda: float, s_max, *, block: int = 4096,
+                 dtype: torch.dtype = torch.float32):
+        self.geometry, self.beta, self.lmbda, self.s_max = geometry, float(beta), float(lmbda), s_max
+        self.keys = keys.to(dtype).contiguous()  # [N, D]
+        self.block, self.dtype = int(block), dtype
+        self.products = 0  # how many times the operator was applied (a product costs N^2 (D + 2 C) multiply-adds)
+
+    def tile(self, i: int, j: int) -> Tensor:
+        """The kernel's rows i:i+block, columns j:j+block."""
+        b = self.block
+        return kernel(self.geometry, self.keys[i : i + b], self.keys[j : j + b], self.beta, self.s_max)
+
+    @torch.no_grad()
+    def __call__(self, P: Tensor) -> Tensor:  # [N, C] -> [N, C], in P's dtype
+        N, b = self.keys.shape[0], self.block
+        Pd = P.to(self.dtype)
+        KP = torch.zeros_like(P, dtype=torch.float64)
+        for i in range(0, N, b):
+            for j in range(i, N, b):
+                Kij = self.tile(i, j)  # [bi, bj]
+                KP[i : i + b] += Kij @ Pd[j : j + b]
+                if j != i:
+                    KP[j : j + b] += Kij.T @ Pd[i : i + b]
+                del Kij
+        self.products += 1
+        return KP.div_(self.lmbda).to(P.dtype).add_(P)
+
+    @torch.no_grad()
+    def columns(self, idx: Tensor) -> Tensor:
+        """The kernel's columns ``idx`` [N, r] in float64 (for the Nystrom preconditioner)."""
+        N, b = self.keys.shape[0], self.block
+        landmarks = self.keys[idx]
+        return torch.cat([kernel(self.geometry, self.keys[i : i + b], landmarks, self.beta, self.s_max).double()
+                          for i in range(0, N, b)])
+
+
+class NystromPreconditioner:
+    """``(K / lambda + I)^-1`` approximated through a rank-r Nystrom approximation of K from r landmark columns
+    (evenly spaced training points): ``K ~ U diag(s) U^T`` and (Frangella, Tropp and Udell, "Randomized Nystrom
+    preconditioning", SIAM J. Matrix Anal. Appl. 2023)::
+
+        P^-1 v = U diag((s_r + lambda) / (s + lambda)) U^T v + (v - U U^T v)
+
+    so the r largest eigenvalues of K, which set the condition number (K's top eigenvalues grow with N; the
+    system's smallest is 1), are taken out of the iteration. Memory: U [N, r] in float64."""
+
+    def __init__(self, op: KernelOperator, rank: int):
+        N = op.keys.shape[0]
+        idx = torch.linspace(0, N - 1, min(int(rank), N)).round().long().unique()
+        Cn = op.columns(idx)  # [N, r]
+        W = Cn[idx]  # [r, r]
+        shift = 1e-10 * float(W.diagonal().sum()) + 1e-12  # jitter: W is positive semi-definite up to rounding
+        L, info = torch.linalg.cholesky_ex(W + shift * torch.eye(len(idx), dtype=W.dtype))
+        if int(info):
+            ev, V = torch.linalg.eigh(W)
+            keep = ev > ev.max() * 1e-10
+            B = Cn @ (V[:, keep] / ev[keep].sqrt())  # [N, r']
+        else:
+            B = torch.linalg.solve_triangular(L, Cn.T, upper=False).T  # C L^-T: K ~ B B^T
+        del Cn
+        U, sv, _ = torch.linalg.svd(B, full_matrices=False)
+        self.U, self.s = U, sv.square()  # [N, r], [r] (descending); independent of lambda: one per beta
+
+    def apply(self, R: Tensor, lmbda: float) -> Tensor:  # [N, C] -> [N, C]
+        shrink = ((self.s[-1] + lmbda) / (self.s + lmbda) - 1.0).unsqueeze(1)  # [r, 1]
+        return R + self.U @ ((self.U.T @ R) * shrink)
+
+
 @torch.no_grad()
-def solve_cg(geometry: Geometry, keys: Tensor, R: Tensor, beta: float, lmbda: float, s_max: float, *,
-             chunk: int = 1024, tol: float = 1e-8, max_iter: int = 2000) -> Tuple[Tensor, int]:
-    """The same A by conjugate gradients on every column of R [N, C] at once, the kernel of ``keys`` [N, D]
-    computed ``chunk`` rows at a time and never stored (memory O(N C + chunk N)). Returns (A, iterations)."""
+def solve_cg(geometry: Geometry, keys: Tensor, R: Tensor, beta: float, lmbda: float, s_max, *,
+             block: int = 4096, tol: float = 1e-8, max_iter: int = 2000, dtype: torch.dtype = torch.float64,
+             rank: int = 0, precond: Optional[NystromPreconditioner] = None, x0: Optional[Tensor] = None,
+             stats: Optional[Dict] = None) -> Tuple[Tensor, int]:
+    """The same A = (K / lambda + I)^-1 R by (preconditioned) conjugate gradients on every column of R [N, C] at
+    once, the kernel of ``keys`` [N, D] computed in ``block``-sized tiles and never stored (``KernelOperator``:
+    memory O(N C + block^2)). ``rank`` > 0: Nystrom preconditioner of that rank (or ``precond``, one made for
+    the same keys and beta, reused across lambdas); ``x0``: the start (default 0,
+    the zero-shot classifier). Stops when every column's residual is below ``tol`` times its right-hand side's
+    (the fitted training values are then within that of the exact ones: ``||K e / lambda|| <= ||residual||``).
+    Returns (A, iterations); ``stats`` (a dict) receives the operator's products and the preconditioner's rank."""
     N, C = R.shape
-
-    def apply(P: Tensor) -> Tensor:  # (K / lambda + I) P, [N, C] -> [N, C]
-        out = P.clone()
-        for i in range(0, N, chunk):
-            Ki = kernel(geometry, keys[i : i + chunk], keys, beta, s_max).to(P.dtype)  # [chunk, N]
-            out[i : i + chunk] += (Ki @ P) / lmbda
-        return out
-
-    X = torch.zeros_like(R)
-    Res = R.clone()
-    P = Res.clone()
-    rr = (Res * Res).sum(0)  # [C]
-    stop = (tol ** 2) * rr.clamp_min(1e-300)
+    op = KernelOperator(geometry, keys, beta, lmbda, s_max, block=block, dtype=dtype)
+    if precond is None and rank > 0:
+        precond = NystromPreconditioner(op, rank)
+    M = (lambda V: precond.apply(V, lmbda)) if precond is not None else (lambda V: V)  # noqa: E731
+    if x0 is None:
+        X, Res = torch.zeros_like(R), R.clone()
+    else:  # x0 scaled per column to the smallest residual: never a worse start than zero (for one product)
+        X = x0.to(R.dtype).clone()
+        MX = op(X)
+        scale = (R * MX).sum(0) / (MX * MX).sum(0).clamp_min(1e-300)  # [C]
+        X.mul_(scale)
+        Res = R - MX.mul_(scale)
+        del MX
+    Z = M(Res)
+    P = Z.clone()
+    rz = (Res * Z).sum(0)  # [C]
+    stop = (tol ** 2) * (R * R).sum(0).clamp_min(1e-300)
+    rr = (Res * Res).sum(0)
     it = 0
     while it < max_iter and bool((rr > stop).any()):
-        AP = apply(P)
-        step = rr / (P * AP).sum(0).clamp_min(1e-300)  # [C]
-        X.addcmul_(P, step)  # in place: five N x C arrays in all (R, X, Res, P, AP)
+        AP = op(P)
+        step = rz / (P * AP).sum(0).clamp_min(1e-300)  # [C]
+        X.addcmul_(P, step)  # in place: R, X, Res, P, AP (and Z with a preconditioner), each N x C
         Res.addcmul_(AP, -step)
         del AP
-        rr_new = (Res * Res).sum(0)
-        P.mul_(rr_new / rr.clamp_min(1e-300)).add_(Res)
-        rr = rr_new
+        rr = (Res * Res).sum(0)
+        Z = M(Res)
+        rz_new = (Res * Z).sum(0)
+        P.mul_(rz_new / rz.clamp_min(1e-300)).add_(Z)
+        rz = rz_new
         it += 1
     if bool((rr > stop).any()):
         log.warning("proker: conjugate gradients stopped at %d iterations, relative residual %.2g > %.2g", it,
                     float((rr / stop).max().sqrt()) * tol, tol)
+    if stats is not None:
+        stats.update(products=op.products, rank=0 if precond is None else int(precond.s.numel()),
+                     residual=float((rr / (R * R).sum(0).clamp_min(1e-300)).max().sqrt()))
     return X, it
 
 
@@ -218,15 +322,30 @@ class ProKeR(Adapter):
         return self.cfg.solver == "cg" or (self.cfg.solver == "auto" and n > self.cfg.direct_max)
 
     @torch.no_grad()
-    def solve(self, keys: Tensor, R: Tensor, beta: float, lmbda: float) -> Tensor:
-        """A for one (beta, lambda) with the configured solver."""
+    def solve(self, keys: Tensor, R: Tensor, beta: float, lmbda: float, *, x0: Optional[Tensor] = None,
+              precond: Optional[NystromPreconditioner] = None) -> Tensor:
+        """A for one (beta, lambda) with the configured solver (cg: from ``x0``, default 0, the zero-shot
+        classifier; ``precond`` one for the same keys and beta)."""
         cfg: ProKeRConfig = self.cfg
         if self.use_cg(keys.shape[0]):
-            A, it = solve_cg(self.backbone.geometry, keys, R, beta, lmbda, self.s_max, chunk=cfg.chunk,
-                             tol=cfg.cg_tol, max_iter=cfg.cg_max_iter)
+            A, it = solve_cg(self.backbone.geometry, keys, R, beta, lmbda, self.s_max, block=cfg.cg_block,
+                             tol=cfg.cg_tol, max_iter=cfg.cg_max_iter, dtype=CG_DTYPES[cfg.cg_dtype],
+                             rank=cfg.cg_rank, precond=precond, x0=x0)
             log.info("proker: cg solved N=%d, C=%d in %d iterations", keys.shape[0], R.shape[1], it)
             return A
         return solve_direct(kernel(self.backbone.geometry, keys, keys, beta, self.s_max), R, lmbda)
+
+    def solve_path(self, keys: Tensor, R: Tensor, beta: float, lmbdas: Sequence[float]):
+        """cg's A for each lambda of one beta in turn: one preconditioner for them all, each solve started from
+        the previous lambda's A (a neighbour on the grid) instead of zero."""
+        cfg: ProKeRConfig = self.cfg
+        op = KernelOperator(self.backbone.geometry, keys, beta, 1.0, self.s_max, block=cfg.cg_block,
+                            dtype=CG_DTYPES[cfg.cg_dtype])
+        precond = NystromPreconditioner(op, cfg.cg_rank) if cfg.cg_rank > 0 else None
+        A = None
+        for lm in lmbdas:
+            A = self.solve(keys, R, beta, lm, x0=A, precond=precond)
+            yield A
 
     @torch.no_grad()
     def fit(self, data) -> Dict:
@@ -239,7 +358,9 @@ class ProKeR(Adapter):
         y = torch.cat([v.y for v in views]).to(dev)
         R = self.targets(keys, y)
         found = self.search(keys, R, data.val)
-        A = self.solve(keys, R, found["beta"], found["lmbda"])
+        A = found.pop("A", None)  # the searched solution (cg's is not computed a second time)
+        if A is None:
+            A = self.solve(keys, R, found["beta"], found["lmbda"])
         self.beta.fill_(found["beta"])
         self.lmbda.fill_(found["lmbda"])
         self.keys = keys.to(self.keys.dtype).contiguous()  # as it is saved and loaded: the same sums
@@ -248,7 +369,7 @@ class ProKeR(Adapter):
 
     @torch.no_grad()
     def search(self, keys: Tensor, R: Tensor, val) -> Dict:
-        """(beta, lambda) with the best validation accuracy over the grids (ties: ``tie_break``)."""
+        """(beta, lambda) with the best validation accuracy over the grids (ties: ``tie_break``), and its ``A``."""
         cfg: ProKeRConfig = self.cfg
         vx, vy = val
         if not cfg.search or vy.numel() == 0:
@@ -259,11 +380,11 @@ class ProKeR(Adapter):
         img = g.embed_image(vx.to(keys.device).to(keys.dtype))
         scale, zs = g.scale.to(img.dtype), g.logits(img, self.prototypes.to(img.dtype))
         betas, lmbdas = grid(cfg.beta_grid), grid(cfg.lmbda_grid)
-        cands, accs, losses = [], [], []
+        cands, accs, losses, best = [], [], [], None
         for beta in betas:
             Kx = kernel(g, img, keys, beta, self.s_max)  # [B, N]
             if self.use_cg(keys.shape[0]):
-                solutions = (self.solve(keys, R, beta, lm) for lm in lmbdas)
+                solutions = self.solve_path(keys, R, beta, lmbdas)
             else:  # one kernel for every lambda
                 K = kernel(g, keys, keys, beta, self.s_max)
                 solutions = (solve_direct(K, R, lm) for lm in lmbdas)
@@ -272,11 +393,13 @@ class ProKeR(Adapter):
                 cands.append((beta, lm))
                 accs.append(acc)
                 losses.append(ce)
+                if choose(accs, losses, cfg.tie_break) == len(accs) - 1:  # the best so far: kept
+                    best = A
         i = choose(accs, losses, cfg.tie_break)
         zs_acc = scored(zs, vy)[0]
         log.info("proker: beta=%.4g lambda=%.4g (val top1 %.2f%%, zero-shot %.2f%%)", *cands[i], accs[i], zs_acc)
         return {"beta": cands[i][0], "lmbda": cands[i][1], "searched": True, "val_acc": accs[i],
-                "zeroshot_val_acc": zs_acc, "val_ties": sum(a == accs[i] for a in accs), "val_accs": accs}
+                "zeroshot_val_acc": zs_acc, "val_ties": sum(a == accs[i] for a in accs), "val_accs": accs, "A": best}
 
 
 register_adapter("proker", ProKeRConfig, ProKeR, export=STATE)

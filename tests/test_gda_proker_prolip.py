@@ -116,9 +116,20 @@ def test_proker_conjugate_gradients_equal_the_direct_solve():
     R = torch.randn(len(keys), 5, generator=torch.Generator().manual_seed(0), dtype=f64)
     for beta, lmbda in ((0.5, 0.001), (3.0, 1.0), (1.7, 0.1)):
         direct = solve_direct(kernel(g, keys, keys, beta, 1.0), R, lmbda)
-        cg, iterations = solve_cg(g, keys, R, beta, lmbda, 1.0, chunk=37, tol=1e-12)
+        cg, iterations = solve_cg(g, keys, R, beta, lmbda, 1.0, block=37, tol=1e-12)  # float64 tiles, no preconditioner
         assert 0 < iterations < len(keys)
         assert reldiff(cg, direct) < 1e-8
+        stats = {}  # a Nystrom preconditioner of rank 40 (of 200 points): fewer iterations, the same A
+        pcg, fewer = solve_cg(g, keys, R, beta, lmbda, 1.0, block=37, tol=1e-12, rank=40, stats=stats)
+        assert fewer < iterations and stats["rank"] == 40 and stats["products"] == fewer
+        assert reldiff(pcg, direct) < 1e-8
+        warm, _ = solve_cg(g, keys, R, beta, lmbda, 1.0, block=37, tol=1e-12, x0=direct * 1.5)  # any start
+        assert reldiff(warm, direct) < 1e-8
+        # float32 tiles summed in float64 (the default): A to the closed forms' 1e-5, stopping at 1e-6
+        f32, _ = solve_cg(g, keys, R, beta, lmbda, 1.0, block=37, tol=1e-6, dtype=torch.float32, rank=40)
+        assert reldiff(f32, direct) < 1e-5
+        Kq = kernel(g, keys[:50], keys, beta, 1.0)  # what predictions use: k(x, S) A
+        assert reldiff(Kq @ f32, Kq @ direct) < 1e-5
 
 
 def test_proker_solver_choice_gives_the_same_fit():
@@ -126,12 +137,19 @@ def test_proker_solver_choice_gives_the_same_fit():
     bb = FeatureBackbone(t["text"])
     data = fit_data(list(t["train_views"]), t["train_labels"], t["val_x"], t["val_y"])
     a = ProKeR(ProKeRConfig(solver="direct", beta_grid=[0.5, 3, 3], lmbda_grid=[0.01, 1, 3]), bb, bb.names, ["{}"])
-    b = ProKeR(ProKeRConfig(solver="auto", direct_max=50, chunk=64, beta_grid=[0.5, 3, 3], lmbda_grid=[0.01, 1, 3]),
-               bb, bb.names, ["{}"])
-    ia, ib = a.double().fit(data), b.double().fit(data)
-    assert ib["solver"] == "cg" and ia["solver"] == "direct"
-    assert (ia["beta"], ia["lmbda"]) == (ib["beta"], ib["lmbda"])
-    assert reldiff(b.coef, a.coef) < 1e-6  # cg to a relative residual of 1e-8 (adapter.cg_tol)
+    b = ProKeR(ProKeRConfig(solver="auto", direct_max=50, cg_block=64, cg_dtype="float64", cg_tol=1e-8, cg_rank=20,
+                            beta_grid=[0.5, 3, 3], lmbda_grid=[0.01, 1, 3]), bb, bb.names, ["{}"])
+    c = ProKeR(ProKeRConfig(solver="cg", cg_block=64, beta_grid=[0.5, 3, 3], lmbda_grid=[0.01, 1, 3]),
+               bb, bb.names, ["{}"])  # the defaults: float32 tiles, rank-1000 Nystrom, tol 1e-6
+    ia, ib, ic = a.double().fit(data), b.double().fit(data), c.double().fit(data)
+    assert ib["solver"] == ic["solver"] == "cg" and ia["solver"] == "direct"
+    assert (ia["beta"], ia["lmbda"]) == (ib["beta"], ib["lmbda"]) == (ic["beta"], ic["lmbda"])
+    assert ia["val_accs"] == ib["val_accs"] == ic["val_accs"]
+    assert reldiff(b.coef, a.coef) < 1e-6  # cg to a relative residual of 1e-8, warm-started along the lambdas
+    assert reldiff(c.coef, a.coef) < 1e-5
+    q = t["val_x"].double()
+    with torch.no_grad():
+        assert reldiff(c(q), a(q)) < 1e-5 and reldiff(b(q), a(q)) < 1e-8
 
 
 # ---------------------------------------------------------------- zero-shot at the start, in every geometry
