@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -133,20 +133,28 @@ def solve_direct(K: Tensor, R: Tensor, lmbda: float) -> Tensor:
 
 
 class KernelOperator:
-    """``v -> (K / lambda + I) v`` for the kernel of ``keys`` [N, D], in ``block`` x ``block`` tiles computed as
-    they are needed and never stored (memory O(block^2) beyond the vectors).
+    """``v -> K v`` for the kernel of ``keys`` [N, D], in ``block`` x ``block`` tiles computed as they are needed
+    and never stored (memory O(block^2) beyond the vectors).
 
     Each tile is one similarity matmul, an in-place ``exp`` and two matmuls: ``K`` is symmetric, so a tile
     above the diagonal serves both its rows and (transposed) its columns, and every kernel entry is computed
     once per product. Tiles and their products are in ``dtype`` (float32: the authors' precision, three times
-    faster than float64 here), summed over the tiles in float64."""
+    faster than float64 here), summed over the tiles in float64. ``max_tiles`` stops a product after that many
+    tiles (a wrong product: only for timing a part of one, ``scripts/bench_proker.py``)."""
 
-    def __init__(self, geometry: Geometry, keys: Tensor, beta: float, lmbda: float, s_max, *, block: int = 4096,
-                 dtype: torch.dtype = torch.float32):
-        self.geometry, self.beta, self.lmbda, self.s_max = geometry, float(beta), float(lmbda), s_max
+    def __init__(self, geometry: Geometry, keys: Tensor, beta: float, s_max, *, block: int = 4096,
+                 dtype: torch.dtype = torch.float32, max_tiles: Optional[int] = None):
+        self.geometry, self.beta, self.s_max = geometry, float(beta), s_max
         self.keys = keys.to(dtype).contiguous()  # [N, D]
-        self.block, self.dtype = int(block), dtype
-        self.products = 0  # how many times the operator was applied (a product costs N^2 (D + 2 C) multiply-adds)
+        self.block, self.dtype, self.max_tiles = int(block), dtype, max_tiles
+        self.products = 0  # how many times the operator was applied (a product costs N^2 (D / 2 + C) multiply-adds)
+        self.tiles = 0  # tiles computed
+
+    @property
+    def n_tiles(self) -> int:
+        """Tiles in one product: the blocks on and above the diagonal."""
+        n = -(-self.keys.shape[0] // self.block)
+        return n * (n + 1) // 2
 
     def tile(self, i: int, j: int) -> Tensor:
         """The kernel's rows i:i+block, columns j:j+block."""
@@ -158,15 +166,20 @@ class KernelOperator:
         N, b = self.keys.shape[0], self.block
         Pd = P.to(self.dtype)
         KP = torch.zeros_like(P, dtype=torch.float64)
+        done = 0
         for i in range(0, N, b):
             for j in range(i, N, b):
+                if self.max_tiles is not None and done >= self.max_tiles:
+                    break
+                done += 1
                 Kij = self.tile(i, j)  # [bi, bj]
                 KP[i : i + b] += Kij @ Pd[j : j + b]
                 if j != i:
                     KP[j : j + b] += Kij.T @ Pd[i : i + b]
                 del Kij
         self.products += 1
-        return KP.div_(self.lmbda).to(P.dtype).add_(P)
+        self.tiles += done
+        return KP  # float64
 
     @torch.no_grad()
     def columns(self, idx: Tensor) -> Tensor:
@@ -201,36 +214,47 @@ class NystromPreconditioner:
         else:
             B = torch.linalg.solve_triangular(L, Cn.T, upper=False).T  # C L^-T: K ~ B B^T
         del Cn
-        U, sv, _ = torch.linalg.svd(B, full_matrices=False)
-        self.U, self.s = U, sv.square()  # [N, r], [r] (descending); independent of lambda: one per beta
+        s, V = torch.linalg.eigh(B.T @ B)  # B = U diag(sqrt(s)) V^T through the r x r Gram matrix (no N x r copy)
+        keep = s > s.max() * 1e-12
+        s, V = s[keep].flip(0), V[:, keep].flip(1)  # descending
+        self.U = (B @ V).div_(s.sqrt())  # [N, r], orthonormal columns
+        del B
+        self.s = s  # [r] the approximation's eigenvalues; independent of lambda: one per beta
 
     def apply(self, R: Tensor, lmbda: float) -> Tensor:  # [N, C] -> [N, C]
         shrink = ((self.s[-1] + lmbda) / (self.s + lmbda) - 1.0).unsqueeze(1)  # [r, 1]
-        return R + self.U @ ((self.U.T @ R) * shrink)
+        return (self.U @ ((self.U.T @ R) * shrink)).add_(R)  # one [N, C] array made
 
 
 @torch.no_grad()
 def solve_cg(geometry: Geometry, keys: Tensor, R: Tensor, beta: float, lmbda: float, s_max, *,
              block: int = 4096, tol: float = 1e-8, max_iter: int = 2000, dtype: torch.dtype = torch.float64,
              rank: int = 0, precond: Optional[NystromPreconditioner] = None, x0: Optional[Tensor] = None,
-             stats: Optional[Dict] = None) -> Tuple[Tensor, int]:
+             operator: Optional[KernelOperator] = None,
+             stats: Optional[Dict] = None, callback: Optional[Callable[[int, float], None]] = None) -> Tuple[Tensor, int]:
     """The same A = (K / lambda + I)^-1 R by (preconditioned) conjugate gradients on every column of R [N, C] at
     once, the kernel of ``keys`` [N, D] computed in ``block``-sized tiles and never stored (``KernelOperator``:
     memory O(N C + block^2)). ``rank`` > 0: Nystrom preconditioner of that rank (or ``precond``, one made for
-    the same keys and beta, reused across lambdas); ``x0``: the start (default 0,
+    the same keys and beta, reused across lambdas; ``operator``: the kernel's, likewise); ``x0``: the start (default 0,
     the zero-shot classifier). Stops when every column's residual is below ``tol`` times its right-hand side's
     (the fitted training values are then within that of the exact ones: ``||K e / lambda|| <= ||residual||``).
-    Returns (A, iterations); ``stats`` (a dict) receives the operator's products and the preconditioner's rank."""
+    Returns (A, iterations); ``stats`` (a dict) receives the operator's products and the preconditioner's rank;
+    ``callback(iteration, largest relative residual)`` is called after each iteration (progress, benchmarks)."""
     N, C = R.shape
-    op = KernelOperator(geometry, keys, beta, lmbda, s_max, block=block, dtype=dtype)
+    op = operator or KernelOperator(geometry, keys, beta, s_max, block=block, dtype=dtype)
     if precond is None and rank > 0:
         precond = NystromPreconditioner(op, rank)
+
+    products, tiles = op.products, op.tiles
+
+    def system(V: Tensor) -> Tensor:  # (K / lambda + I) V
+        return op(V).div_(lmbda).to(V.dtype).add_(V)
     M = (lambda V: precond.apply(V, lmbda)) if precond is not None else (lambda V: V)  # noqa: E731
     if x0 is None:
         X, Res = torch.zeros_like(R), R.clone()
     else:  # x0 scaled per column to the smallest residual: never a worse start than zero (for one product)
         X = x0.to(R.dtype).clone()
-        MX = op(X)
+        MX = system(X)
         scale = (R * MX).sum(0) / (MX * MX).sum(0).clamp_min(1e-300)  # [C]
         X.mul_(scale)
         Res = R - MX.mul_(scale)
@@ -242,7 +266,7 @@ def solve_cg(geometry: Geometry, keys: Tensor, R: Tensor, beta: float, lmbda: fl
     rr = (Res * Res).sum(0)
     it = 0
     while it < max_iter and bool((rr > stop).any()):
-        AP = op(P)
+        AP = system(P)
         step = rz / (P * AP).sum(0).clamp_min(1e-300)  # [C]
         X.addcmul_(P, step)  # in place: R, X, Res, P, AP (and Z with a preconditioner), each N x C
         Res.addcmul_(AP, -step)
@@ -253,11 +277,13 @@ def solve_cg(geometry: Geometry, keys: Tensor, R: Tensor, beta: float, lmbda: fl
         P.mul_(rz_new / rz.clamp_min(1e-300)).add_(Z)
         rz = rz_new
         it += 1
+        if callback is not None:
+            callback(it, float((rr / (R * R).sum(0).clamp_min(1e-300)).max().sqrt()))
     if bool((rr > stop).any()):
         log.warning("proker: conjugate gradients stopped at %d iterations, relative residual %.2g > %.2g", it,
                     float((rr / stop).max().sqrt()) * tol, tol)
     if stats is not None:
-        stats.update(products=op.products, rank=0 if precond is None else int(precond.s.numel()),
+        stats.update(products=op.products - products, tiles=op.tiles - tiles, rank=0 if precond is None else int(precond.s.numel()),
                      residual=float((rr / (R * R).sum(0).clamp_min(1e-300)).max().sqrt()))
     return X, it
 
@@ -323,14 +349,14 @@ class ProKeR(Adapter):
 
     @torch.no_grad()
     def solve(self, keys: Tensor, R: Tensor, beta: float, lmbda: float, *, x0: Optional[Tensor] = None,
-              precond: Optional[NystromPreconditioner] = None) -> Tensor:
+              precond: Optional[NystromPreconditioner] = None, operator: Optional[KernelOperator] = None) -> Tensor:
         """A for one (beta, lambda) with the configured solver (cg: from ``x0``, default 0, the zero-shot
         classifier; ``precond`` one for the same keys and beta)."""
         cfg: ProKeRConfig = self.cfg
         if self.use_cg(keys.shape[0]):
             A, it = solve_cg(self.backbone.geometry, keys, R, beta, lmbda, self.s_max, block=cfg.cg_block,
                              tol=cfg.cg_tol, max_iter=cfg.cg_max_iter, dtype=CG_DTYPES[cfg.cg_dtype],
-                             rank=cfg.cg_rank, precond=precond, x0=x0)
+                             rank=cfg.cg_rank, precond=precond, x0=x0, operator=operator)
             log.info("proker: cg solved N=%d, C=%d in %d iterations", keys.shape[0], R.shape[1], it)
             return A
         return solve_direct(kernel(self.backbone.geometry, keys, keys, beta, self.s_max), R, lmbda)
@@ -339,12 +365,12 @@ class ProKeR(Adapter):
         """cg's A for each lambda of one beta in turn: one preconditioner for them all, each solve started from
         the previous lambda's A (a neighbour on the grid) instead of zero."""
         cfg: ProKeRConfig = self.cfg
-        op = KernelOperator(self.backbone.geometry, keys, beta, 1.0, self.s_max, block=cfg.cg_block,
+        op = KernelOperator(self.backbone.geometry, keys, beta, self.s_max, block=cfg.cg_block,
                             dtype=CG_DTYPES[cfg.cg_dtype])
         precond = NystromPreconditioner(op, cfg.cg_rank) if cfg.cg_rank > 0 else None
         A = None
         for lm in lmbdas:
-            A = self.solve(keys, R, beta, lm, x0=A, precond=precond)
+            A = self.solve(keys, R, beta, lm, x0=A, precond=precond, operator=op)
             yield A
 
     @torch.no_grad()

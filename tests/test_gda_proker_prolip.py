@@ -240,17 +240,18 @@ def test_prolip_search_passes_over_a_diverging_learning_rate():
         ProLIP(ProLIPConfig(views=6, epochs=30, search=False, lr=1e30), bb, bb.names, ["{}"]).fit(data)
 
 
-def test_the_store_keeps_preprojection_features_as_a_variant_encoded_once(shapes, tmp_path):
+def test_the_store_keeps_preprojection_features_once_for_prolip_and_the_others(shapes, tmp_path):
+    """(More in tests/test_store_preproj.py: every reference geometry, a run sequence, the older layout.)"""
     bb = backbone("toy-clip")
     pre = bb.tower_variant("preproj")
     items = shapes.items("test")[:6]
     store = FeatureStore(tmp_path / "store")
     cache = FeatureCache(store)
     plain, first = cache.features(bb, shapes, items), cache.features(pre, shapes, items)
-    assert plain.encoded == first.encoded == 6  # two groups of the store, one per variant
-    assert len(store.groups()) == 2
+    assert (plain.encoded, first.encoded) == (6, 0)  # one entry: the features before the projection
+    assert len(store.groups()) == 1
     again = FeatureCache(store).features(pre, shapes, items)  # another process or sweep: read, not encoded
     assert (again.encoded, again.from_store) == (0, 6)
     assert torch.equal(again.features.x, first.features.x)
     assert again.features.x.shape[1] == bb.image_projection().shape[0]  # the tower's width
-    torch.testing.assert_close(again.features.x @ bb.image_projection(), plain.features.x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again.features.x @ bb.image_projection(), plain.features.x, rtol=1e-6, atol=1e-6)
