@@ -119,7 +119,8 @@ def main(argv):
     n, n_val, n_test = cfg.classes * cfg.shots, cfg.classes * min(cfg.shots, 4), len(ds.items("test"))
     cache = FeatureCache()
     methods = [m for m in cfg.methods.split(",") if m]
-    print(f"{len(methods)} methods, {cfg.arch} random weights (text tower) + random image features ({width}-d, then a fixed projection to {dim}-d), "
+    print(f"{len(methods)} methods, {cfg.arch} random weights (text tower) + random image features ({width}-d, "
+          f"then a fixed projection to {dim}-d), "
           f"{cfg.classes} classes x {cfg.shots} shots ({n} training, {n_val} validation, {n_test} test images), "
           f"CPU, {torch.get_num_threads()} threads")
     print(f"  {'method':14s} {'train (s)':>10s} {'wall (s)':>9s} {'charged':>8s} {'encoded now':>11s} "
