@@ -23,7 +23,9 @@ At scale (``solver``): the kernel has N^2 entries (ImageNet, 16 shots, 10 views:
 float64), which is where the authors stop (no SUN397 at 16 shots). Above ``direct_max`` training points fewclip
 solves the same system by conjugate gradients on all C right-hand sides at once (``solve_cg``), the kernel never
 stored: ``KernelOperator`` computes it in ``cg_block``-sized tiles, each tile above the diagonal used for its rows
-and its columns (K is symmetric), in float32 (the authors' precision) summed over tiles in float64; a rank-
+and its columns (K is symmetric), in float32 (the authors' precision; ``cg_dtype=auto`` checks on a sample that
+the geometry's kernel is exact to 1e-6 in float32, else float64: the elliptic geometry's arccos is not) summed
+over tiles in float64; a rank-
 ``cg_rank`` Nystrom preconditioner takes K's largest eigenvalues out of the iteration (about 3x fewer iterations
 on 100 classes); each lambda of the search starts from the previous lambda's solution, and the searched solution
 is kept rather than solved again. Memory O(N C + N cg_rank + cg_block^2). cg stops at a relative residual of
@@ -37,8 +39,8 @@ Where fewclip differs, and why:
   tip-adapter`` uses the dataset's whole validation split; ``imagenet`` transfers ImageNet's tuned values).
 * Ties of validation accuracy go to the lowest validation cross-entropy of the logits; ``tie_break=first`` is
   the authors' first maximum (beta-major, strict ``>``).
-* float64 throughout (the authors' float32 kernel and solve), except cg's float32 kernel tiles
-  (``cg_dtype=float64`` for float64 there too).
+* float64 throughout (the authors' float32 kernel and solve), except cg's float32 kernel tiles where they are
+  exact to 1e-6 (``cg_dtype=float64`` for float64 there too).
 """
 from __future__ import annotations
 
@@ -61,6 +63,7 @@ log = logging.getLogger(__name__)
 
 SOLVERS = ("auto", "direct", "cg")
 CG_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+FLOAT32_KERNEL_TOL = 1e-6  # largest difference of float32 kernel entries (at most 1) from float64 ones for "auto"
 
 
 @dataclass
@@ -83,8 +86,10 @@ class ProKeRConfig(AdapterConfig):
     direct_max: int = field(default=20000, metadata={"help": "largest N solved directly under solver=auto"})
     chunk: int = field(default=1024, metadata={"help": "training points scored at a time at prediction"})
     cg_block: int = field(default=4096, metadata={"help": "side of the kernel tiles the cg solver computes at a time"})
-    cg_dtype: str = field(default="float32", metadata={"help": "precision of the cg solver's kernel tiles and their "
-                                                               "products, summed in float64: 'float32' or 'float64'"})
+    cg_dtype: str = field(default="auto", metadata={"help": "precision of the cg solver's kernel tiles and their "
+                                                            "products, summed in float64: 'float32', 'float64' or "
+                                                            "'auto' (float32 where the geometry's kernel is exact to "
+                                                            "1e-6 in it: not an angle's arccos near 0)"})
     cg_rank: int = field(default=1000, metadata={"help": "rank of the cg solver's Nystrom preconditioner (0: none)"})
     cg_tol: float = field(default=1e-6, metadata={"help": "relative residual at which cg stops (per class); float32 "
                                                           "tiles reach about 1e-7"})
@@ -105,8 +110,8 @@ class ProKeRConfig(AdapterConfig):
             raise ValueError(f"adapter.tie_break must be one of {', '.join(TIE_BREAKS)}, got {self.tie_break!r}")
         if self.solver not in SOLVERS:
             raise ValueError(f"adapter.solver must be one of {', '.join(SOLVERS)}, got {self.solver!r}")
-        if self.cg_dtype not in CG_DTYPES:
-            raise ValueError(f"adapter.cg_dtype must be one of {', '.join(CG_DTYPES)}, got {self.cg_dtype!r}")
+        if self.cg_dtype not in ("auto", *CG_DTYPES):
+            raise ValueError(f"adapter.cg_dtype must be auto, float32 or float64, got {self.cg_dtype!r}")
         if self.cg_rank < 0:
             raise ValueError(f"adapter.cg_rank must be >= 0 (0: no preconditioner), got {self.cg_rank}")
         for key in ("direct_max", "chunk", "cg_block", "cg_max_iter"):
@@ -125,6 +130,17 @@ def kernel(geometry: Geometry, x: Tensor, keys: Tensor, beta: float, s_max: floa
     if torch.is_grad_enabled():
         return affinity(geometry, x, keys, beta, s_max)
     return geometry.similarity(x, keys).sub_(s_max).mul_(beta).exp_()
+
+
+@torch.no_grad()
+def tile_dtype(geometry: Geometry, keys: Tensor, beta: float, s_max, sample: int = 256) -> torch.dtype:
+    """float32 where the kernel of ``sample`` of the training points [N, D] (the diagonal included) computed in
+    float32 is within ``FLOAT32_KERNEL_TOL`` of float64, else float64. The cosine's kernel is (about 1e-7); an
+    angle's (the elliptic geometry: arccos near 1, whose slope is infinite) is not (about 1e-3)."""
+    x = keys[torch.linspace(0, keys.shape[0] - 1, min(sample, keys.shape[0])).round().long().unique()]
+    exact = kernel(geometry, x.double(), x.double(), beta, s_max)
+    single = kernel(geometry, x.float(), x.float(), beta, s_max).double()
+    return torch.float32 if float((single - exact).abs().max()) <= FLOAT32_KERNEL_TOL else torch.float64
 
 
 @torch.no_grad()
@@ -351,6 +367,12 @@ class ProKeR(Adapter):
         s0 = self.backbone.geometry.similarity(keys, self.prototypes.to(keys.dtype))
         return F.one_hot(labels.to(keys.device), C).to(keys.dtype) - s0
 
+    def cg_dtype(self, keys: Tensor, beta: float) -> torch.dtype:
+        """The precision of cg's kernel tiles (``adapter.cg_dtype``; auto: ``tile_dtype``)."""
+        if self.cfg.cg_dtype != "auto":
+            return CG_DTYPES[self.cfg.cg_dtype]
+        return tile_dtype(self.backbone.geometry, keys, beta, self.s_max)
+
     def use_cg(self, n: int) -> bool:
         return self.cfg.solver == "cg" or (self.cfg.solver == "auto" and n > self.cfg.direct_max)
 
@@ -362,7 +384,7 @@ class ProKeR(Adapter):
         cfg: ProKeRConfig = self.cfg
         if self.use_cg(keys.shape[0]):
             A, it = solve_cg(self.backbone.geometry, keys, R, beta, lmbda, self.s_max, block=cfg.cg_block,
-                             tol=cfg.cg_tol, max_iter=cfg.cg_max_iter, dtype=CG_DTYPES[cfg.cg_dtype],
+                             tol=cfg.cg_tol, max_iter=cfg.cg_max_iter, dtype=self.cg_dtype(keys, beta),
                              rank=cfg.cg_rank, precond=precond, x0=x0, operator=operator)
             log.info("proker: cg solved N=%d, C=%d in %d iterations", keys.shape[0], R.shape[1], it)
             return A
@@ -373,7 +395,7 @@ class ProKeR(Adapter):
         the previous lambda's A (a neighbour on the grid) instead of zero."""
         cfg: ProKeRConfig = self.cfg
         op = KernelOperator(self.backbone.geometry, keys, beta, self.s_max, block=cfg.cg_block,
-                            dtype=CG_DTYPES[cfg.cg_dtype])
+                            dtype=self.cg_dtype(keys, beta))
         precond = NystromPreconditioner(op, cfg.cg_rank) if cfg.cg_rank > 0 else None
         A = None
         for lm in lmbdas:

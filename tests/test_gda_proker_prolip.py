@@ -13,14 +13,15 @@ import torch
 from safetensors.torch import load_file
 
 from fewclip.adapters.gda import GDA, GDAConfig
-from fewclip.adapters.proker import ProKeR, ProKeRConfig, grid, kernel, solve_cg, solve_direct
+from fewclip.adapters._cache import self_similarity
+from fewclip.adapters.proker import ProKeR, ProKeRConfig, grid, kernel, solve_cg, solve_direct, tile_dtype
 from fewclip.adapters.prolip import ProLIP, ProLIPConfig
 from fewclip.backbones import BackboneError
 from fewclip.engine import FitData, NonFiniteError, TrainConfig
 from fewclip.features import FeatureCache, Features
 from fewclip.store import FeatureStore
 from fewclip.geometry import make_geometry
-from test_cache_methods import EVERY, NAMES, TEMPLATES, TableBackbone, zero_shot
+from test_cache_methods import EVERY, NAMES, PARAMS, TEMPLATES, TableBackbone, zero_shot
 from test_cache_parity import FeatureBackbone, authors_config
 from test_coop import backbone, cards, image_features  # noqa: F401  (cards: fixture)
 
@@ -132,6 +133,21 @@ def test_proker_conjugate_gradients_equal_the_direct_solve():
         assert reldiff(Kq @ f32, Kq @ direct) < 1e-5
 
 
+@pytest.mark.parametrize("name, dtype", [("clip", torch.float32), ("hyperbolic", torch.float32),
+                                         ("elliptic", torch.float64)])
+def test_proker_cg_tiles_in_float32_only_where_the_kernel_is_exact_in_it(name, dtype):
+    g = make_geometry(name, **PARAMS.get(name, {}))
+    gen = torch.Generator().manual_seed(0)
+    keys = g.embed_image(torch.randn(120, 16, generator=gen, dtype=f64) + 2 * torch.randn(4, 16, generator=gen,
+                                                                                      dtype=f64).repeat(30, 1))
+    s_max = self_similarity(g, 16)
+    assert tile_dtype(g, keys, 1.7, s_max) == dtype  # the elliptic geometry's arccos near 1 loses ~1e-3 in float32
+    R = torch.randn(120, 4, generator=gen, dtype=f64)
+    direct = solve_direct(kernel(g, keys, keys, 1.7, s_max), R, 0.1)
+    cg, _ = solve_cg(g, keys, R, 1.7, 0.1, s_max, block=50, tol=1e-6, dtype=dtype, rank=30)
+    assert reldiff(cg, direct) < 1e-5
+
+
 def test_proker_solver_choice_gives_the_same_fit():
     t, _ = fixture("proker")
     bb = FeatureBackbone(t["text"])
@@ -140,7 +156,7 @@ def test_proker_solver_choice_gives_the_same_fit():
     b = ProKeR(ProKeRConfig(solver="auto", direct_max=50, cg_block=64, cg_dtype="float64", cg_tol=1e-8, cg_rank=20,
                             beta_grid=[0.5, 3, 3], lmbda_grid=[0.01, 1, 3]), bb, bb.names, ["{}"])
     c = ProKeR(ProKeRConfig(solver="cg", cg_block=64, beta_grid=[0.5, 3, 3], lmbda_grid=[0.01, 1, 3]),
-               bb, bb.names, ["{}"])  # the defaults: float32 tiles, rank-1000 Nystrom, tol 1e-6
+               bb, bb.names, ["{}"])  # the defaults: float32 tiles (the cosine), rank-1000 Nystrom, tol 1e-6
     ia, ib, ic = a.double().fit(data), b.double().fit(data), c.double().fit(data)
     assert ib["solver"] == ic["solver"] == "cg" and ia["solver"] == "direct"
     assert (ia["beta"], ia["lmbda"]) == (ib["beta"], ib["lmbda"]) == (ic["beta"], ic["lmbda"])
