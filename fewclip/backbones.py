@@ -368,8 +368,9 @@ class Backbone(nn.Module):
         proj = self.image_projection()
         if proj is None:
             raise BackboneError(f"backbone {self.name}: its image tower has no linear projection (visual.proj)")
-        out = [(z[i : i + batch_size].to(self.device, self.dtype) @ proj).float().cpu()
-               for i in range(0, z.shape[0], batch_size)]
+        with torch.autocast(self.device.type, enabled=False):  # the tower's precision, whatever the caller runs under
+            out = [(z[i : i + batch_size].to(self.device, self.dtype) @ proj).float().cpu()
+                   for i in range(0, z.shape[0], batch_size)]
         return torch.cat(out) if out else z.new_zeros(0, proj.shape[1])
 
     @torch.no_grad()

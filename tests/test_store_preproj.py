@@ -106,3 +106,16 @@ def test_tip_adapter_then_prolip_encode_each_image_once(shapes, tmp_path):
     assert seen == after_tip  # ProLIP's views, validation and test images: all encoded for Tip-Adapter already
     assert prolip["images_encoded"] == prolip["images_encoded_shared"] > 0
     assert prolip["lr"] == 1e-5 and prolip["top1"] > 50 and tip["top1"] > 50
+
+
+def test_derived_features_keep_the_towers_precision_under_any_autocast(shapes):
+    bf16 = load_backbone(BackboneConfig(name="toy-clip", device="cpu", precision="bf16"))
+    items = shapes.items("test")[:6]
+    direct = extract_features(bf16, shapes, items).x  # the bf16 tower with its projection
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # an ambient autocast changes nothing
+        derived = FeatureCache().features(bf16, shapes, items).features.x
+    torch.testing.assert_close(derived, direct, rtol=1e-6, atol=1e-6)
+    fp32 = load("toy-clip")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        derived = FeatureCache().features(fp32, shapes, items).features.x
+    assert torch.equal(derived, extract_features(fp32, shapes, items).x)
