@@ -137,7 +137,8 @@ def tile_dtype(geometry: Geometry, keys: Tensor, beta: float, s_max, sample: int
     """float32 where the kernel of ``sample`` of the training points [N, D] (the diagonal included) computed in
     float32 is within ``FLOAT32_KERNEL_TOL`` of float64, else float64. The cosine's kernel is (about 1e-7); an
     angle's (the elliptic geometry: arccos near 1, whose slope is infinite) is not (about 1e-3)."""
-    x = keys[torch.linspace(0, keys.shape[0] - 1, min(sample, keys.shape[0])).round().long().unique()]
+    n = keys.shape[0]
+    x = keys[torch.linspace(0, n - 1, min(sample, n), device=keys.device).round().long().unique()]
     exact = kernel(geometry, x.double(), x.double(), beta, s_max)
     single = kernel(geometry, x.float(), x.float(), beta, s_max).double()
     return torch.float32 if float((single - exact).abs().max()) <= FLOAT32_KERNEL_TOL else torch.float64
@@ -225,11 +226,11 @@ class NystromPreconditioner:
 
     def __init__(self, op: KernelOperator, rank: int):
         N = op.keys.shape[0]
-        idx = torch.linspace(0, N - 1, min(int(rank), N)).round().long().unique()
+        idx = torch.linspace(0, N - 1, min(int(rank), N), device=op.keys.device).round().long().unique()
         Cn = op.columns(idx)  # [N, r]
         W = Cn[idx]  # [r, r]
         shift = 1e-10 * float(W.diagonal().sum()) + 1e-12  # jitter: W is positive semi-definite up to rounding
-        L, info = torch.linalg.cholesky_ex(W + shift * torch.eye(len(idx), dtype=W.dtype))
+        L, info = torch.linalg.cholesky_ex(W + shift * torch.eye(len(idx), dtype=W.dtype, device=W.device))
         if int(info):
             ev, V = torch.linalg.eigh(W)
             keep = ev > ev.max() * 1e-10

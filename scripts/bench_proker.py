@@ -2,6 +2,7 @@
 
     python scripts/bench_proker.py                          # 100 classes (with the direct solve beside it)
     python scripts/bench_proker.py classes=[100,1000] tiles_at_1000=40   # 1000 classes: a part of one iteration
+    python scripts/bench_proker.py classes=[100,1000] device=cuda        # the whole 1000-class solve on a GPU
 
 Training points as the authors make them (``trainers/proker.py``, ``main.py`` of omarnust/BReg-Adapter): every
 augmented view of every training image is a kernel row, so N = classes x shots x views (ImageNet at 16 shots and
@@ -58,6 +59,7 @@ class BenchConfig:
     direct_max: int = 20000  # the direct solve beside cg up to this N
     threads: int = 0
     seed: int = 0
+    device: str = "cpu"  # "cuda": the solve on a GPU (peak GPU memory printed beside the host's RSS)
     one: str = ""  # internal: "cg:<classes>" or "direct:<classes>" runs one case in this process
 
 
@@ -89,7 +91,8 @@ def run_one(cfg: BenchConfig) -> dict:
     kind, classes = cfg.one.split(":")
     classes = int(classes)
     geo = make_geometry("clip", logit_scale=100.0)
-    keys, R, query = problem(cfg, classes)
+    dev = torch.device(cfg.device)
+    keys, R, query = (t.to(dev) for t in problem(cfg, classes))
     N, C = R.shape
     out = {"kind": kind, "classes": classes, "N": N, "C": C}
     t0 = time.perf_counter()
@@ -118,10 +121,13 @@ def run_one(cfg: BenchConfig) -> dict:
                    tile_s=op.seconds / max(op.tiles, 1))
         if partial:  # one product of every tile, from the time of those computed, plus the rest of an iteration
             out["extrapolated_iteration_s"] = round(iteration_s - op.seconds + op.n_tiles * out["tile_s"], 1)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        out["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 3)
     out["seconds"] = round(time.perf_counter() - t0, 1)
     out["peak_rss_gib"] = round(rss_gib(), 3)
     Kq = kernel(geo, query, keys, cfg.beta, 1.0)
-    torch.save({"A": A, "pred": Kq @ A}, f"/tmp/bench_proker_{kind}_{classes}_{cfg.seed}.pt")
+    torch.save({"A": A.cpu(), "pred": (Kq @ A).cpu()}, f"/tmp/bench_proker_{kind}_{classes}_{cfg.seed}.pt")
     return out
 
 
@@ -134,7 +140,7 @@ def main(argv) -> int:
         return 0
     print(f"ProKeR solve, beta {cfg.beta}, lambda {cfg.lmbda}, {cfg.shots} shots x {cfg.views} views, width {cfg.dim}, "
           f"cg: {cfg.dtype} tiles of {cfg.block}, Nystrom rank {cfg.rank}, tol {cfg.tol:g}; "
-          f"{torch.get_num_threads()} threads")
+          f"{cfg.device}, {torch.get_num_threads()} threads")
     for classes in cfg.classes:
         N = classes * cfg.shots * cfg.views
         partial = cfg.tiles_at_1000 and classes >= 1000
@@ -156,8 +162,9 @@ def main(argv) -> int:
             else:
                 what = (f"{r['iterations']} iterations of {r['iteration_s']} s, residual {r['residual']:.1e}, "
                         f"{r['tiles_per_product']} tiles a product")
+            gpu = f", peak GPU memory {r['peak_gpu_gib']:.2f} GiB" if "peak_gpu_gib" in r else ""
             print(f"  {classes} classes, N={r['N']}, {kind:6s}: {r['seconds']:8.1f} s, peak RSS {r['peak_rss_gib']:.2f} GiB"
-                  f"  ({what})", flush=True)
+                  f"{gpu}  ({what})", flush=True)
             if kind == "cg":
                 print(f"    preconditioner (rank {r['rank']}): {r['preconditioner_s']} s; peak RSS after iteration 1: "
                       f"{r['trace'][0][3]:.2f} GiB, at the end: {r['peak_rss_gib']:.2f} GiB")
