@@ -133,6 +133,16 @@ def kernel(geometry: Geometry, x: Tensor, keys: Tensor, beta: float, s_max: floa
 
 
 @torch.no_grad()
+def kernel_times(geometry: Geometry, x: Tensor, keys: Tensor, A: Tensor, beta: float, s_max, chunk: int) -> Tensor:
+    """k(x, S) A of points x [B, D], keys [N, D] and coefficients A [N, C] -> [B, C], ``chunk`` keys at a time: never
+    the whole [B, N] kernel (ImageNet's validation against 160000 points would be 5 GB in float64)."""
+    out = x.new_zeros(x.shape[0], A.shape[1])
+    for i in range(0, keys.shape[0], chunk):
+        out += kernel(geometry, x, keys[i : i + chunk], beta, s_max) @ A[i : i + chunk]
+    return out
+
+
+@torch.no_grad()
 def tile_dtype(geometry: Geometry, keys: Tensor, beta: float, s_max, sample: int = 256) -> torch.dtype:
     """float32 where the kernel of ``sample`` of the training points [N, D] (the diagonal included) computed in
     float32 is within ``FLOAT32_KERNEL_TOL`` of float64, else float64. The cosine's kernel is (about 1e-7); an
@@ -438,14 +448,16 @@ class ProKeR(Adapter):
         betas, lmbdas = grid(cfg.beta_grid), grid(cfg.lmbda_grid)
         cands, accs, losses, best = [], [], [], None
         for beta in betas:
-            Kx = kernel(g, img, keys, beta, self.s_max)  # [B, N]
             if self.use_cg(keys.shape[0]):
                 solutions = self.solve_path(keys, R, beta, lmbdas)
+                Kx = None  # the validation kernel [B, N] too is computed in pieces (kernel_times)
             else:  # one kernel for every lambda
                 K = kernel(g, keys, keys, beta, self.s_max)
                 solutions = (solve_direct(K, R, lm) for lm in lmbdas)
+                Kx = kernel(g, img, keys, beta, self.s_max)  # [B, N]
             for lm, A in zip(lmbdas, solutions):
-                acc, ce = scored(zs + scale * (Kx @ A), vy)
+                fitted = Kx @ A if Kx is not None else kernel_times(g, img, keys, A, beta, self.s_max, cfg.chunk)
+                acc, ce = scored(zs + scale * fitted, vy)
                 cands.append((beta, lm))
                 accs.append(acc)
                 losses.append(ce)
