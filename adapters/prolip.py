@@ -15,9 +15,10 @@ steps. The learning rate and lambda are searched over the authors' grid (lr 1e-2
 are the zero-shot logits in every geometry (the projection's output is the tower's usual output).
 
 Pre-projection features: the adapter's ``feature_tower`` is ``Backbone.tower_variant("preproj")``, so the
-engine encodes, caches and stores the views, validation and test images before the projection, keyed apart from
-the plain features (an image is encoded once per view for ProLIP, and once for the other methods). Towers
-with an open_clip ViT projection (``visual.proj``) only; a ResNet's attention pool is refused with a message.
+engine gives it the views, validation and test images before the projection. Those are what the feature cache and
+store keep for every tower with a projection (the other methods' features are derived from them: ``fewclip.store``),
+so an image and view is encoded once for ProLIP and every other method together. Towers with an open_clip ViT
+projection (``visual.proj``) only; a ResNet's attention pool is refused with a message.
 
 Geometry: the class points are the geometry's zero-shot prototypes and the logits the geometry's logits of
 ``z P`` (the authors' ``100 * normalize(z P) @ t`` in the clip geometry, with the backbone's logit scale).

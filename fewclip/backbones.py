@@ -353,6 +353,26 @@ class Backbone(nn.Module):
             variants["preproj"] = _PreProjection(self)
         return variants["preproj"]
 
+    def stored_variant(self) -> Optional["_PreProjection"]:
+        """The tower variant whose features the feature cache and store keep for this backbone's: the
+        pre-projection variant where the image tower ends in a linear projection (the projected features are
+        derived from them by ``project_features``, so one encoding of an image serves ProLIP and every other
+        method); None where the tower's own output is kept."""
+        return self.tower_variant("preproj") if self.image_projection() is not None else None
+
+    @torch.no_grad()
+    def project_features(self, z: torch.Tensor, batch_size: int = 256) -> torch.Tensor:
+        """``encode_images``'s output [N, D] (float32, CPU) from the features before the projection z [N, W]:
+        ``z @ image_projection()`` in the tower's precision and on its device, in the batches the features were
+        encoded in (the tower's own product; z holds the tower's values exactly, float32 holding bf16/fp16)."""
+        proj = self.image_projection()
+        if proj is None:
+            raise BackboneError(f"backbone {self.name}: its image tower has no linear projection (visual.proj)")
+        with torch.autocast(self.device.type, enabled=False):  # the tower's precision, whatever the caller runs under
+            out = [(z[i : i + batch_size].to(self.device, self.dtype) @ proj).float().cpu()
+                   for i in range(0, z.shape[0], batch_size)]
+        return torch.cat(out) if out else z.new_zeros(0, proj.shape[1])
+
     @torch.no_grad()
     def encode_text(self, texts: Sequence[str], batch_size: int = 1024) -> torch.Tensor:
         """Raw text-tower outputs [N, D] (float32)."""
@@ -397,6 +417,9 @@ class _PreProjection:
 
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.base.encode_images_preproj(pixels)
+
+    def stored_variant(self) -> None:
+        return None  # its own output is what the store keeps
 
     @property
     def variant(self) -> str:

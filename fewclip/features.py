@@ -230,6 +230,12 @@ class FeatureCache:
         if key in self._entries:
             _, feats, stored = self._entries[key]
             return Lookup(feats, 0, len(items) if stored else 0)
+        source = getattr(backbone, "stored_variant", lambda: None)()
+        if source is not None:  # a tower with a projection: the features before it are kept, these derived
+            got = self.features(source, dataset, items, view=view, batch_size=batch_size, workers=workers, desc=desc)
+            feats = Features(backbone.project_features(got.features.x, batch_size), labels)
+            self._entries[key] = (dataset, feats, got.from_store > 0)
+            return Lookup(feats, got.encoded, got.from_store)
         group = self._group(backbone, dataset, view, batch_size)
         x = self._read(group, ids, dataset, items) if group is not None else None
         stored = x is not None

@@ -11,6 +11,12 @@ features of each request under a content address:
   run seed and view index of the view), the encoding batch size and torchvision's version;
 * the *shard* (a file in the group): the sha256 of the ordered image ids.
 
+Where the image tower ends in a linear projection (open_clip's ViT ``visual.proj``, every reference backbone's),
+the store keeps the features *before* it (the ``preproj`` tower variant, ``Backbone.stored_variant``) and the
+projected features every other method takes are derived from them (``Backbone.project_features``: the tower's
+own product, the same bits): ProLIP, which trains the projection, and the other methods share one encoding of
+each image and view.
+
 A request is encoded as a whole, in batches of ``batch_size`` in its order, so its features are a function
 of the address alone: whichever process, worker or sweep encoded it, and whatever ran before, the same
 request gives the same bits (an image's features differ in the last bits with the batch it is encoded
@@ -19,10 +25,10 @@ for the same requests, and every run asks for the same test images.
 
 Layout under the root (``FEWCLIP_CACHE``, default ``~/.cache/fewclip/features``)::
 
-    v2/<group digest>/address.json            what the group's features are a function of
-    v2/<group digest>/<ids digest>.safetensors  x [N, D] float32; metadata: the N image ids, the images'
-                                              fingerprint and a checksum of the whole entry
-    v2/<group digest>/.fewclip.encode.<ids digest>.lock   while one process encodes the request
+    v3/<group digest>/address.json            what the group's features are a function of
+    v3/<group digest>/<ids digest>.safetensors  x [N, D] float32 ([N, W] before a projection); metadata: the N
+                                              image ids, the images' fingerprint and a checksum of the entry
+    v3/<group digest>/.fewclip.encode.<ids digest>.lock   while one process encodes the request
 
 An entry is served only if it is what it says and was made from the images there are now:
 
@@ -68,7 +74,9 @@ log = logging.getLogger(__name__)
 
 STORE_ENV = "FEWCLIP_CACHE"
 FORMAT = "fewclip.features"
-VERSION = 2  # 2: entries carry their images' fingerprint and a checksum
+# 2: entries carry their images' fingerprint and a checksum; 3: a tower with a linear projection keeps its features
+# before it (``Backbone.stored_variant``), the projected ones derived (v2 entries are not read: encoded again)
+VERSION = 3
 ADDRESS_FILE = "address.json"
 OFF = ("off", "none", "false", "no", "0")
 # Bump when the augmentation's draws or the evaluation pixels change for the same settings.

@@ -7,9 +7,12 @@ run encodes, in one run.
 Setting: ViT-B-32 with random weights (its text tower builds the zero-shot classifiers of 100 ImageNet class
 names), 100 classes x 16 shots (1600 training images), 4 validation images per class, 1000 test images.
 The images are tiny synthetic pictures and the image tower is replaced by *random features*: a fixed
-random projection of the average-pooled pixels (512-d), so augmented views differ as views do, and every
-image that reaches the tower is counted. Each method runs through ``fewclip.run.run_train`` with the
-defaults of ``fewclip adapters``, all runs sharing one feature cache as a sweep's runs do.
+random projection of the average-pooled pixels (768-d, ViT-B-32's width), then a fixed random projection to the
+512-d embedding (ViT-B-32's ``visual.proj``), so augmented views differ as views do, and every image that
+reaches the tower is counted. As for every tower with a projection, the feature cache keeps the features before
+it and derives the projected ones (``fewclip.store``): ProLIP and the other methods share one encoding.
+Each method runs through ``fewclip.run.run_train`` with the defaults of ``fewclip adapters``, all runs sharing
+one feature cache as a sweep's runs do.
 
 Printed per method: the training time (``train_time_s``: the fit or the loop, not the frozen tower), the
 run's wall time, the images the run charged (``images_encoded``: every image it used, shared ones included),
@@ -96,28 +99,28 @@ def main(argv):
     cfg = load_config(argv, BenchConfig)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    from fewclip.adapters import Adapter, adapter_info
+    from fewclip.adapters import adapter_info
     from fewclip.features import FeatureCache
     from fewclip.run import load_train_config, run_train
 
     torch.manual_seed(0)  # the random weights (a script may seed the process; the library never does)
     bb = load_backbone(BackboneConfig(name=cfg.arch, pretrained="none", device="cpu"))
     dim = int(bb.encode_text(["a"]).shape[-1])
-    tower = RandomImageTower(dim)
-    bb.encode_images = tower  # the image tower of this benchmark (instance attribute; the class is untouched)
-    # ProLIP's tower before the projection: random features of the ViT's width, and a fixed projection after them
-    # (the plain tower above stays the one the other methods use; each variant counts its own images)
+    # the image tower of this benchmark (instance attributes; the class is untouched): random features of the
+    # ViT's width, then a fixed projection; every method's features come from this one tower
     width = int(bb.image_projection().shape[0])
-    pre_tower = RandomImageTower(width)
-    bb.encode_images_preproj = pre_tower
+    tower = RandomImageTower(width)
+    bb.encode_images_preproj = tower
     projection = torch.randn(width, dim, generator=torch.Generator().manual_seed(1)) / width ** 0.5
     bb.image_projection = lambda: projection
+    bb.encode_images = lambda pixels: tower(pixels) @ projection  # the same tower, had anything asked it directly
     ds = synthetic_dataset(cfg.classes, cfg.shots, cfg.test_per_class)
     # the few-shot split: shots per class, min(shots, 4) validation images per class (fewclip.datasets)
     n, n_val, n_test = cfg.classes * cfg.shots, cfg.classes * min(cfg.shots, 4), len(ds.items("test"))
     cache = FeatureCache()
     methods = [m for m in cfg.methods.split(",") if m]
-    print(f"{len(methods)} methods, {cfg.arch} random weights (text tower) + random image features ({dim}-d), "
+    print(f"{len(methods)} methods, {cfg.arch} random weights (text tower) + random image features ({width}-d, "
+          f"then a fixed projection to {dim}-d), "
           f"{cfg.classes} classes x {cfg.shots} shots ({n} training, {n_val} validation, {n_test} test images), "
           f"CPU, {torch.get_num_threads()} threads")
     print(f"  {'method':14s} {'train (s)':>10s} {'wall (s)':>9s} {'charged':>8s} {'encoded now':>11s} "
@@ -128,9 +131,9 @@ def main(argv):
         for name in methods:
             run_cfg = load_train_config([f"adapter={name}", f"shots={cfg.shots}", f"seed={cfg.seed}",
                                          "data.templates=single", "log_level=warning", *BENCH_SETTINGS.get(name, [])])
-            before = tower.images + pre_tower.images
+            before = tower.images
             m = run_train(run_cfg, Path(tmp) / name, backbone=bb, dataset=ds, cache=cache)
-            encoded_now = tower.images + pre_tower.images - before
+            encoded_now = tower.images - before
             cls = adapter_info(name).adapter_cls
             if cls.trained_by == "fit":
                 adapter = cls(run_cfg.adapter, bb, ds.classnames, ds.prompts("single"))
@@ -143,13 +146,10 @@ def main(argv):
                   f"{encoded_now:11d} {what + ' = ' + str(expected):>30s}")
             if m["images_encoded"] != expected or m["images_encoded"] - m["images_encoded_shared"] != encoded_now:
                 bad.append(f"{name}: charged {m['images_encoded']}, encoded {encoded_now} now, expected {expected}")
-            if cls.feature_tower is Adapter.feature_tower:  # the plain tower's views (ProLIP's are its own)
-                views_asked = max(views_asked, views)
+            views_asked = max(views_asked, views)
     union = (1 + views_asked) * n + n_val + n_test  # the un-augmented images, the views any method asked for
     print(f"  image tower, all methods together: {tower.images} images; the shared views: (1 + {views_asked}) x {n} "
           f"+ {n_val} + {n_test} = {union}")
-    if pre_tower.images:
-        print(f"  image tower before its projection (ProLIP): {pre_tower.images} images")
     if tower.images > union:
         bad.append(f"the image tower encoded {tower.images} images, more than the {union} of the shared views")
     if bad:

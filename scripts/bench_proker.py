@@ -1,122 +1,179 @@
-"""Benchmark ProKeR's closed form at scale: the direct solve (the N x N kernel) against fewclip's conjugate
-gradients (the kernel computed a chunk of rows at a time, never stored), time and peak memory.
+"""ProKeR's kernel ridge regression at scale: time and peak memory of the matrix-free cg solve.
 
-    python scripts/bench_proker.py                                # 100 classes, both solvers; 1000 classes: memory
-    python scripts/bench_proker.py solvers=cg cg_max_iter=3 threads=1   # the time of 3 CG iterations
-    python scripts/bench_proker.py classes=1000 solvers=cg max_n=200000 # the ImageNet-sized solve (a GPU's work)
+    python scripts/bench_proker.py                          # 100 classes (with the direct solve beside it)
+    python scripts/bench_proker.py classes=[100,1000] tiles_at_1000=40   # 1000 classes: a part of one iteration
+    python scripts/bench_proker.py classes=[100,1000] device=cuda        # the whole 1000-class solve on a GPU
 
-Setting: random CLIP-like features of width ``dim`` (512) on the sphere, ``classes`` x ``shots`` (16) x ``views``
-(10, the authors' --augment-epoch) training points, the clip geometry, one (beta, lambda): ImageNet's 16-shot
-values from the authors' ``hyperparameters.json`` (1.7, 0.1). Each case runs in a fresh process, so its peak
-resident memory (``ru_maxrss``) is its own. Printed per case: N, the solver, wall time of the solve, CG
-iterations, peak RSS, the memory the solver's arrays need by count (``need``), and, where both solvers ran, the
-largest relative difference of their solutions.
-
-The direct solve holds three N x N float64 matrices (the kernel, K / lambda + I, its Cholesky factor);
-the CG solve holds five N x C matrices (targets, solution, residual, direction, product), the keys and one
-``chunk`` x N block of the kernel. At 1000 classes x 16 shots x 10 views (N = 160000, C = 1000) that is 205 GB
-for the kernel alone against 8.4 GB for CG in float64 (4.2 GB in float32); each CG iteration then costs
-2 N^2 (D + C) = 7.7e13 flops, seconds on a GPU, the better part of an hour on a 2-core CPU.
+Training points as the authors make them (``trainers/proker.py``, ``main.py`` of omarnust/BReg-Adapter): every
+augmented view of every training image is a kernel row, so N = classes x shots x views (ImageNet at 16 shots and
+10 views: 160,000). The features are synthetic and CLIP-like (unit vectors of width ``dim`` sharing a common
+direction, clustered by class, each view a small perturbation of its image); the targets are ProKeR's (one-hot
+minus the zero-shot cosine to noisy class prototypes). Each size runs in a process of its own, so its peak
+resident memory (``ru_maxrss``) is its own. Where the N x N kernel fits (``direct_max``), the direct solve runs
+too (in its own process) and the difference of the two solutions and of their predictions is printed.
 """
-import multiprocessing as mp
+from __future__ import annotations
+
+import json
 import resource
+import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import List
 
 import torch
 import torch.nn.functional as F
 
-from fewclip.adapters.proker import kernel, solve_cg, solve_direct
 from fewclip.config import load_config
 from fewclip.geometry import make_geometry
+from fewclip.adapters.proker import CG_DTYPES, KernelOperator, NystromPreconditioner, kernel, solve_cg, solve_direct
+
+
+class TimedOperator(KernelOperator):
+    """The kernel operator, timing its products (the rest of an iteration is the preconditioner and vector updates)."""
+
+    seconds = 0.0
+
+    def __call__(self, P):
+        t = time.perf_counter()
+        out = super().__call__(P)
+        self.seconds += time.perf_counter() - t
+        return out
 
 
 @dataclass
 class BenchConfig:
-    classes: str = "100,1000"
+    classes: List[int] = field(default_factory=lambda: [100])
     shots: int = 16
     views: int = 10
     dim: int = 512
-    beta: float = 1.7
+    beta: float = 1.7  # the authors' ImageNet 16-shot values (configs/RN50/configs_proker/hyperparameters.json)
     lmbda: float = 0.1
-    solvers: str = "direct,cg"
-    dtype: str = "float64"
-    chunk: int = 512
-    cg_tol: float = 1e-8
-    cg_max_iter: int = 2000
-    # Run a case only where the analytic memory is below this (GB) and N at most max_n; else print what it needs.
-    max_gb: float = 16.0
-    max_n: int = 20000
+    dtype: str = "float32"
+    rank: int = 1000
+    block: int = 4096
+    tol: float = 1e-6
+    max_iter: int = 2000
+    tiles_at_1000: int = 0  # > 0: from 1000 classes up, one cg iteration whose product stops after this many tiles
+    direct_max: int = 20000  # the direct solve beside cg up to this N
     threads: int = 0
     seed: int = 0
+    device: str = "cpu"  # "cuda": the solve on a GPU (peak GPU memory printed beside the host's RSS)
+    one: str = ""  # internal: "cg:<classes>" or "direct:<classes>" runs one case in this process
+
+
+def rss_gib() -> float:
+    """Peak resident set of this process so far, GiB (Linux: ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20
 
 
 def problem(cfg: BenchConfig, classes: int):
-    """Keys [N, D] on the sphere (class centres plus noise) and targets Y - s(S, t) [N, C]."""
-    g = make_geometry("clip", logit_scale=100.0)
-    dt = getattr(torch, cfg.dtype)
-    gen = torch.Generator().manual_seed(cfg.seed)
-    centres = F.normalize(torch.randn(classes, cfg.dim, generator=gen), dim=-1)
-    y = torch.arange(classes).repeat_interleave(cfg.shots).repeat(cfg.views)  # [N]
-    keys = g.embed_image(0.5 * centres[y] + torch.randn(len(y), cfg.dim, generator=gen) / cfg.dim ** 0.5).to(dt)
-    text = F.normalize(centres + torch.randn(classes, cfg.dim, generator=gen) / cfg.dim ** 0.5, dim=-1).to(dt)
-    return g, keys, F.one_hot(y, classes).to(dt) - g.similarity(keys, text)
+    """Training points [N, D] (embedded), ProKeR's targets [N, C] and 1000 query points, in float64."""
+    g = torch.Generator().manual_seed(cfg.seed)
+    n_img, D = classes * cfg.shots, cfg.dim
+    common = F.normalize(torch.randn(D, generator=g, dtype=torch.float64), dim=0)
+    centers = F.normalize(common + 0.9 * F.normalize(torch.randn(classes, D, generator=g, dtype=torch.float64), dim=1),
+                          dim=1)  # class means: cosine about 0.55 between classes
+    images = centers.repeat_interleave(cfg.shots, 0) + 0.5 / D ** 0.5 * torch.randn(n_img, D, generator=g,
+                                                                                      dtype=torch.float64)
+    keys = torch.cat([F.normalize(images + 0.25 / D ** 0.5 * torch.randn(n_img, D, generator=g, dtype=torch.float64),
+                                  dim=1) for _ in range(cfg.views)])  # [N, D]: view-major, as the authors' vecs
+    labels = torch.arange(classes).repeat_interleave(cfg.shots).repeat(cfg.views)
+    protos = F.normalize(centers + 0.5 / D ** 0.5 * torch.randn(classes, D, generator=g, dtype=torch.float64), dim=1)
+    targets = F.one_hot(labels, classes).double() - keys @ protos.T  # Y - s(S, t)
+    query = F.normalize(centers[torch.arange(1000) % classes] + 0.5 / D ** 0.5 * torch.randn(
+        1000, D, generator=g, dtype=torch.float64), dim=1)
+    return keys, targets, query
 
 
-def need_gb(solver: str, n: int, c: int, d: int, chunk: int, itemsize: int) -> float:
-    """Bytes the solver's arrays take, by count (GB)."""
-    if solver == "direct":  # the kernel, K / lambda + I, its Cholesky factor
-        return (3 * n * n * 8 + n * c * 8 + n * d * 8) / 1e9
-    return (5 * n * c * itemsize + n * d * itemsize + 2 * chunk * n * itemsize) / 1e9
+def run_one(cfg: BenchConfig) -> dict:
+    kind, classes = cfg.one.split(":")
+    classes = int(classes)
+    geo = make_geometry("clip", logit_scale=100.0)
+    dev = torch.device(cfg.device)
+    keys, R, query = (t.to(dev) for t in problem(cfg, classes))
+    N, C = R.shape
+    out = {"kind": kind, "classes": classes, "N": N, "C": C}
+    t0 = time.perf_counter()
+    if kind == "direct":
+        A = solve_direct(kernel(geo, keys, keys, cfg.beta, 1.0), R, cfg.lmbda)
+    else:
+        partial = cfg.tiles_at_1000 if classes >= 1000 else 0
+        max_iter = 1 if partial else cfg.max_iter
+        op = TimedOperator(geo, keys, cfg.beta, 1.0, block=cfg.block, dtype=CG_DTYPES[cfg.dtype],
+                           max_tiles=partial or None)
+        precond = NystromPreconditioner(op, cfg.rank) if cfg.rank else None
+        out["preconditioner_s"] = round(time.perf_counter() - t0, 1)
+        trace = []
+
+        def progress(it: int, residual: float) -> None:
+            trace.append((it, round(time.perf_counter() - t0, 1), residual, round(rss_gib(), 3)))
+            print(f"    {classes} classes, iteration {it}: {trace[-1][1]:.1f} s, relative residual {residual:.2e}, "
+                  f"peak RSS {trace[-1][3]:.2f} GiB", file=sys.stderr, flush=True)
+
+        stats = {}
+        A, it = solve_cg(geo, keys, R, cfg.beta, cfg.lmbda, 1.0, tol=cfg.tol, max_iter=max_iter, precond=precond,
+                         operator=op, stats=stats, callback=progress)
+        iteration_s = (time.perf_counter() - t0 - out["preconditioner_s"]) / max(it, 1)
+        out.update(iterations=it, residual=stats["residual"], rank=0 if precond is None else int(precond.s.numel()),
+                   trace=trace, iteration_s=round(iteration_s, 1), tiles=op.tiles, tiles_per_product=op.n_tiles,
+                   tile_s=op.seconds / max(op.tiles, 1))
+        if partial:  # one product of every tile, from the time of those computed, plus the rest of an iteration
+            out["extrapolated_iteration_s"] = round(iteration_s - op.seconds + op.n_tiles * out["tile_s"], 1)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        out["peak_gpu_gib"] = round(torch.cuda.max_memory_allocated() / 2 ** 30, 3)
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    out["peak_rss_gib"] = round(rss_gib(), 3)
+    Kq = kernel(geo, query, keys, cfg.beta, 1.0)
+    torch.save({"A": A.cpu(), "pred": (Kq @ A).cpu()}, f"/tmp/bench_proker_{kind}_{classes}_{cfg.seed}.pt")
+    return out
 
 
-def case(cfg: BenchConfig, classes: int, solver: str, out):
+def main(argv) -> int:
+    cfg = load_config(argv, BenchConfig)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    g, keys, R = problem(cfg, classes)
-    t0 = time.perf_counter()
-    if solver == "direct":
-        A, it = solve_direct(kernel(g, keys.double(), keys.double(), cfg.beta, 1.0), R.double(), cfg.lmbda), 0
-    else:
-        A, it = solve_cg(g, keys, R, cfg.beta, cfg.lmbda, 1.0, chunk=cfg.chunk, tol=cfg.cg_tol,
-                         max_iter=cfg.cg_max_iter)
-    seconds = time.perf_counter() - t0
-    out.put({"seconds": seconds, "iterations": it, "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
-             "A": A.double().numpy() if len(A) * A.shape[1] <= 4e7 else None})  # numpy: pickled through the pipe
-
-
-def main(argv):
-    cfg = load_config(argv, BenchConfig)
-    ctx = mp.get_context("spawn")
-    itemsize = torch.tensor([], dtype=getattr(torch, cfg.dtype)).element_size()
-    print(f"ProKeR solve: {cfg.shots} shots x {cfg.views} views, D = {cfg.dim}, beta {cfg.beta}, lambda {cfg.lmbda}, "
-          f"{cfg.dtype}, chunk {cfg.chunk}, cg tol {cfg.cg_tol}; CPU, threads {cfg.threads or torch.get_num_threads()}")
-    print("flops of one CG iteration, 2 N^2 (D + C): " + ", ".join(
-        f"{c} classes {2 * (c * cfg.shots * cfg.views) ** 2 * (cfg.dim + c):.1e}"
-        for c in map(int, cfg.classes.split(","))))
-    print("| classes | N | solver | solve (s) | CG iterations | peak RSS (GB) | need (GB) |")
-    print("|---:|---:|---|---:|---:|---:|---:|", flush=True)
-    for classes in [int(c) for c in cfg.classes.split(",")]:
-        n = classes * cfg.shots * cfg.views
-        solutions = {}
-        for solver in cfg.solvers.split(","):
-            need = need_gb(solver, n, classes, cfg.dim, cfg.chunk, itemsize)
-            if need > cfg.max_gb or n > cfg.max_n:
-                print(f"| {classes} | {n} | {solver} | not run | | | {need:.1f} |", flush=True)
-                continue
-            q = ctx.Queue()
-            p = ctx.Process(target=case, args=(cfg, classes, solver, q))
-            p.start()
-            r = q.get()
-            p.join()
-            solutions[solver] = None if r["A"] is None else torch.from_numpy(r["A"])
-            print(f"| {classes} | {n} | {solver} | {r['seconds']:.1f} | {r['iterations'] or ''} | "
-                  f"{r['peak_gb']:.2f} | {need:.1f} |", flush=True)
-        if all(solutions.get(s) is not None for s in ("direct", "cg")):  # (meaningful where cg converged)
-            d, c = solutions["direct"], solutions["cg"]
-            print(f"  {classes} classes: max |cg - direct| / max |direct| = "
-                  f"{float((c - d).abs().max() / d.abs().max()):.2e}")
+    if cfg.one:
+        print(json.dumps(run_one(cfg)))
+        return 0
+    print(f"ProKeR solve, beta {cfg.beta}, lambda {cfg.lmbda}, {cfg.shots} shots x {cfg.views} views, width {cfg.dim}, "
+          f"cg: {cfg.dtype} tiles of {cfg.block}, Nystrom rank {cfg.rank}, tol {cfg.tol:g}; "
+          f"{cfg.device}, {torch.get_num_threads()} threads")
+    for classes in cfg.classes:
+        N = classes * cfg.shots * cfg.views
+        partial = cfg.tiles_at_1000 and classes >= 1000
+        kinds = ["cg", "direct"] if N <= cfg.direct_max and not partial else ["cg"]
+        res = {}
+        for kind in kinds:
+            proc = subprocess.run([sys.executable, __file__, *argv, f"one={kind}:{classes}"], stdout=subprocess.PIPE,
+                                  text=True)
+            if proc.returncode:
+                print(f"  {classes} classes, {kind}: failed (exit {proc.returncode})")
+                return 1
+            res[kind] = r = json.loads(proc.stdout.strip().splitlines()[-1])
+            if kind == "direct":
+                what = "Cholesky of the N x N kernel"
+            elif "extrapolated_iteration_s" in r:
+                what = (f"{r['tiles']} of the {r['tiles_per_product']} kernel tiles of one product in one iteration, "
+                        f"{r['tile_s']:.1f} s a tile: one whole iteration would take about "
+                        f"{r['extrapolated_iteration_s'] / 60:.0f} min (EXTRAPOLATED)")
+            else:
+                what = (f"{r['iterations']} iterations of {r['iteration_s']} s, residual {r['residual']:.1e}, "
+                        f"{r['tiles_per_product']} tiles a product")
+            gpu = f", peak GPU memory {r['peak_gpu_gib']:.2f} GiB" if "peak_gpu_gib" in r else ""
+            print(f"  {classes} classes, N={r['N']}, {kind:6s}: {r['seconds']:8.1f} s, peak RSS {r['peak_rss_gib']:.2f} GiB"
+                  f"{gpu}  ({what})", flush=True)
+            if kind == "cg":
+                print(f"    preconditioner (rank {r['rank']}): {r['preconditioner_s']} s; peak RSS after iteration 1: "
+                      f"{r['trace'][0][3]:.2f} GiB, at the end: {r['peak_rss_gib']:.2f} GiB")
+        if "direct" in res:
+            a = torch.load(f"/tmp/bench_proker_cg_{classes}_{cfg.seed}.pt")
+            b = torch.load(f"/tmp/bench_proker_direct_{classes}_{cfg.seed}.pt")
+            rel = lambda x, y: float((x - y).norm() / y.norm())  # noqa: E731
+            print(f"    cg vs direct: relative difference of A {rel(a['A'], b['A']):.1e}, of the predictions "
+                  f"k(x, S) A on 1000 queries {rel(a['pred'], b['pred']):.1e}")
     return 0
 
 

@@ -13,14 +13,15 @@ import torch
 from safetensors.torch import load_file
 
 from fewclip.adapters.gda import GDA, GDAConfig
-from fewclip.adapters.proker import ProKeR, ProKeRConfig, grid, kernel, solve_cg, solve_direct
+from fewclip.adapters._cache import self_similarity
+from fewclip.adapters.proker import ProKeR, ProKeRConfig, grid, kernel, solve_cg, solve_direct, tile_dtype
 from fewclip.adapters.prolip import ProLIP, ProLIPConfig
 from fewclip.backbones import BackboneError
 from fewclip.engine import FitData, NonFiniteError, TrainConfig
 from fewclip.features import FeatureCache, Features
 from fewclip.store import FeatureStore
 from fewclip.geometry import make_geometry
-from test_cache_methods import EVERY, NAMES, TEMPLATES, TableBackbone, zero_shot
+from test_cache_methods import EVERY, NAMES, PARAMS, TEMPLATES, TableBackbone, zero_shot
 from test_cache_parity import FeatureBackbone, authors_config
 from test_coop import backbone, cards, image_features  # noqa: F401  (cards: fixture)
 
@@ -116,9 +117,35 @@ def test_proker_conjugate_gradients_equal_the_direct_solve():
     R = torch.randn(len(keys), 5, generator=torch.Generator().manual_seed(0), dtype=f64)
     for beta, lmbda in ((0.5, 0.001), (3.0, 1.0), (1.7, 0.1)):
         direct = solve_direct(kernel(g, keys, keys, beta, 1.0), R, lmbda)
-        cg, iterations = solve_cg(g, keys, R, beta, lmbda, 1.0, chunk=37, tol=1e-12)
+        cg, iterations = solve_cg(g, keys, R, beta, lmbda, 1.0, block=37, tol=1e-12)  # float64 tiles, no preconditioner
         assert 0 < iterations < len(keys)
         assert reldiff(cg, direct) < 1e-8
+        stats = {}  # a Nystrom preconditioner of rank 40 (of 200 points): fewer iterations, the same A
+        pcg, fewer = solve_cg(g, keys, R, beta, lmbda, 1.0, block=37, tol=1e-12, rank=40, stats=stats)
+        assert fewer < iterations and stats["rank"] == 40 and stats["products"] == fewer
+        assert reldiff(pcg, direct) < 1e-8
+        warm, _ = solve_cg(g, keys, R, beta, lmbda, 1.0, block=37, tol=1e-12, x0=direct * 1.5)  # any start
+        assert reldiff(warm, direct) < 1e-8
+        # float32 tiles summed in float64 (the default): A to the closed forms' 1e-5, stopping at 1e-6
+        f32, _ = solve_cg(g, keys, R, beta, lmbda, 1.0, block=37, tol=1e-6, dtype=torch.float32, rank=40)
+        assert reldiff(f32, direct) < 1e-5
+        Kq = kernel(g, keys[:50], keys, beta, 1.0)  # what predictions use: k(x, S) A
+        assert reldiff(Kq @ f32, Kq @ direct) < 1e-5
+
+
+@pytest.mark.parametrize("name, dtype", [("clip", torch.float32), ("hyperbolic", torch.float32),
+                                         ("elliptic", torch.float64)])
+def test_proker_cg_tiles_in_float32_only_where_the_kernel_is_exact_in_it(name, dtype):
+    g = make_geometry(name, **PARAMS.get(name, {}))
+    gen = torch.Generator().manual_seed(0)
+    keys = g.embed_image(torch.randn(120, 16, generator=gen, dtype=f64) + 2 * torch.randn(4, 16, generator=gen,
+                                                                                      dtype=f64).repeat(30, 1))
+    s_max = self_similarity(g, 16)
+    assert tile_dtype(g, keys, 1.7, s_max) == dtype  # the elliptic geometry's arccos near 1 loses ~1e-3 in float32
+    R = torch.randn(120, 4, generator=gen, dtype=f64)
+    direct = solve_direct(kernel(g, keys, keys, 1.7, s_max), R, 0.1)
+    cg, _ = solve_cg(g, keys, R, 1.7, 0.1, s_max, block=50, tol=1e-6, dtype=dtype, rank=30)
+    assert reldiff(cg, direct) < 1e-5
 
 
 def test_proker_solver_choice_gives_the_same_fit():
@@ -126,12 +153,19 @@ def test_proker_solver_choice_gives_the_same_fit():
     bb = FeatureBackbone(t["text"])
     data = fit_data(list(t["train_views"]), t["train_labels"], t["val_x"], t["val_y"])
     a = ProKeR(ProKeRConfig(solver="direct", beta_grid=[0.5, 3, 3], lmbda_grid=[0.01, 1, 3]), bb, bb.names, ["{}"])
-    b = ProKeR(ProKeRConfig(solver="auto", direct_max=50, chunk=64, beta_grid=[0.5, 3, 3], lmbda_grid=[0.01, 1, 3]),
-               bb, bb.names, ["{}"])
-    ia, ib = a.double().fit(data), b.double().fit(data)
-    assert ib["solver"] == "cg" and ia["solver"] == "direct"
-    assert (ia["beta"], ia["lmbda"]) == (ib["beta"], ib["lmbda"])
-    assert reldiff(b.coef, a.coef) < 1e-6  # cg to a relative residual of 1e-8 (adapter.cg_tol)
+    b = ProKeR(ProKeRConfig(solver="auto", direct_max=50, cg_block=64, cg_dtype="float64", cg_tol=1e-8, cg_rank=20,
+                            beta_grid=[0.5, 3, 3], lmbda_grid=[0.01, 1, 3]), bb, bb.names, ["{}"])
+    c = ProKeR(ProKeRConfig(solver="cg", cg_block=64, beta_grid=[0.5, 3, 3], lmbda_grid=[0.01, 1, 3]),
+               bb, bb.names, ["{}"])  # the defaults: float32 tiles (the cosine), rank-1000 Nystrom, tol 1e-6
+    ia, ib, ic = a.double().fit(data), b.double().fit(data), c.double().fit(data)
+    assert ib["solver"] == ic["solver"] == "cg" and ia["solver"] == "direct"
+    assert (ia["beta"], ia["lmbda"]) == (ib["beta"], ib["lmbda"]) == (ic["beta"], ic["lmbda"])
+    assert ia["val_accs"] == ib["val_accs"] == ic["val_accs"]
+    assert reldiff(b.coef, a.coef) < 1e-6  # cg to a relative residual of 1e-8, warm-started along the lambdas
+    assert reldiff(c.coef, a.coef) < 1e-5
+    q = t["val_x"].double()
+    with torch.no_grad():
+        assert reldiff(c(q), a(q)) < 1e-5 and reldiff(b(q), a(q)) < 1e-8
 
 
 # ---------------------------------------------------------------- zero-shot at the start, in every geometry
@@ -222,17 +256,18 @@ def test_prolip_search_passes_over_a_diverging_learning_rate():
         ProLIP(ProLIPConfig(views=6, epochs=30, search=False, lr=1e30), bb, bb.names, ["{}"]).fit(data)
 
 
-def test_the_store_keeps_preprojection_features_as_a_variant_encoded_once(shapes, tmp_path):
+def test_the_store_keeps_preprojection_features_once_for_prolip_and_the_others(shapes, tmp_path):
+    """(More in tests/test_store_preproj.py: every reference geometry, a run sequence, the older layout.)"""
     bb = backbone("toy-clip")
     pre = bb.tower_variant("preproj")
     items = shapes.items("test")[:6]
     store = FeatureStore(tmp_path / "store")
     cache = FeatureCache(store)
     plain, first = cache.features(bb, shapes, items), cache.features(pre, shapes, items)
-    assert plain.encoded == first.encoded == 6  # two groups of the store, one per variant
-    assert len(store.groups()) == 2
+    assert (plain.encoded, first.encoded) == (6, 0)  # one entry: the features before the projection
+    assert len(store.groups()) == 1
     again = FeatureCache(store).features(pre, shapes, items)  # another process or sweep: read, not encoded
     assert (again.encoded, again.from_store) == (0, 6)
     assert torch.equal(again.features.x, first.features.x)
     assert again.features.x.shape[1] == bb.image_projection().shape[0]  # the tower's width
-    torch.testing.assert_close(again.features.x @ bb.image_projection(), plain.features.x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again.features.x @ bb.image_projection(), plain.features.x, rtol=1e-6, atol=1e-6)
