@@ -34,7 +34,7 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from fewclip.attention import parse_layers, text_tower_parts, vision_tower_parts
+from fewclip.attention import parse_layers, split_attention, text_tower_parts, vision_tower_parts
 from fewclip.export import METADATA_KEY, ExportError, PrototypeClassifier
 
 from fewclip.state_export import FORMAT as STATE_FORMAT
@@ -93,6 +93,44 @@ def check_tower_targets(targets: str, towers: str, layers: str) -> None:
         parse_layers(layers, None)
     except ValueError as e:
         raise ValueError(str(e).replace("local_attention layers", "adapter.layers")) from None
+
+
+# The Linears of an open_clip residual block that each target names (after split_attention for q, k, v and o:
+# nn.MultiheadAttention reads out_proj.weight directly instead of calling out_proj, so a wrapper on it would
+# never run; SplitAttention calls it).
+TARGET_MODULES = {"q": ("attn.q_proj",), "k": ("attn.k_proj",), "v": ("attn.v_proj",), "o": ("attn.out_proj",),
+                  "mlp": ("mlp.c_fc", "mlp.c_proj")}
+
+
+def target_linears(model: nn.Module, towers: str, layers: str, targets: Sequence[str], method: str) -> List[str]:
+    """Split the targeted blocks' attention (in place: give it a copy) and list the full names of the Linears a
+    method adapts: in each tower of ``towers`` (text, vision or both), the blocks ``layers`` names, the modules
+    of each target (``TARGET_MODULES``). A tower that is not an open_clip transformer, a layer that does not
+    exist or a target that is not an nn.Linear is an AdapterError naming ``method`` and the fix."""
+    names: List[str] = []
+    for tower in (["text", "vision"] if towers == "both" else [towers]):
+        try:
+            prefix, blocks = tower_blocks(model, tower)
+        except ValueError as e:
+            other = {"text": "vision", "vision": "text"}[tower]
+            raise AdapterError(f"{method} on the {tower} tower needs an open_clip transformer there: {e}; adapt "
+                               f"only the other tower with adapter.towers={other}") from None
+        try:
+            chosen = parse_layers(layers, len(blocks))
+        except ValueError as e:
+            raise AdapterError(f"adapter.towers={towers}: {e}") from None
+        if any(t in ("q", "k", "v", "o") for t in targets):
+            try:
+                split_attention([blocks[i] for i in chosen])
+            except ValueError as e:
+                raise AdapterError(f"{method} on the {tower} tower: {e}") from None
+        names += [f"{prefix}.{i}.{sub}" for i in chosen for t in targets for sub in TARGET_MODULES[t]]
+    own = dict(model.named_modules())
+    for n in names:
+        if not isinstance(own.get(n), nn.Linear):
+            raise AdapterError(f"{method} target {n} is not an nn.Linear in this backbone "
+                               f"({type(own.get(n)).__name__}); choose other adapter.targets")
+    return names
 
 
 def replace_module(root: nn.Module, name: str, new: nn.Module) -> None:
@@ -249,7 +287,7 @@ class MergedClassifier(PrototypeClassifier):
 
     def with_classnames(self, classnames: Sequence[str]) -> "MergedClassifier":
 
-        return MergedClassifier(self.backbone, self.meta, self.path, check_classnames(classnames, "with_classnames"))
+        return type(self)(self.backbone, self.meta, self.path, check_classnames(classnames, "with_classnames"))
 
 
 @torch.no_grad()

@@ -29,15 +29,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fewclip.attention import pack_split_state, parse_layers, split_attention
+from fewclip.attention import pack_split_state
 
 from ._towers import (TARGETS, TOWER, TOWERS, TowerWeightsAdapter, check_tower_targets, replace_module,  # noqa: F401
-                      shared_copy, target_list, tower_blocks)
-from fewclip.adapter import AdapterConfig, AdapterError, register_adapter
+                      shared_copy, target_linears, target_list, tower_blocks)
+from fewclip.adapter import AdapterConfig, register_adapter
 from fewclip.presets import Preset, Setting, register_presets
 
-_MODULES = {"q": ("attn.q_proj",), "k": ("attn.k_proj",), "v": ("attn.v_proj",), "o": ("attn.out_proj",),
-            "mlp": ("mlp.c_fc", "mlp.c_proj")}
 
 
 @dataclass
@@ -99,33 +97,7 @@ class SVDLinear(nn.Module):
 def svd_target_modules(model: nn.Module, cfg: ClipSVDConfig) -> List[str]:
     """Split the targeted blocks' attention (in place, on a copy) and list the full names of the Linears whose
     singular values are learned."""
-    towers = ["text", "vision"] if cfg.towers == "both" else [cfg.towers]
-    names: List[str] = []
-    for tower in towers:
-        try:
-            prefix, blocks = tower_blocks(model, tower)
-        except ValueError as e:
-            other = {"text": "vision", "vision": "text"}[tower]
-            raise AdapterError(f"CLIP-SVD on the {tower} tower needs an open_clip transformer there: {e}; adapt "
-                               f"only the other tower with adapter.towers={other}") from None
-        try:
-            layers = parse_layers(cfg.layers, len(blocks))
-        except ValueError as e:
-            raise ValueError(f"adapter.towers={cfg.towers}: {e}") from None
-        if any(t in ("q", "k", "v", "o") for t in cfg.target_list):
-            try:
-                split_attention([blocks[i] for i in layers])
-            except ValueError as e:
-                raise AdapterError(f"CLIP-SVD on the {tower} tower: {e}") from None
-        for i in layers:
-            for t in cfg.target_list:
-                names += [f"{prefix}.{i}.{sub}" for sub in _MODULES[t]]
-    own = dict(model.named_modules())
-    for n in names:
-        if not isinstance(own.get(n), nn.Linear):
-            raise AdapterError(f"CLIP-SVD target {n} is not an nn.Linear in this backbone "
-                               f"({type(own.get(n)).__name__}); choose other adapter.targets")
-    return names
+    return target_linears(model, cfg.towers, cfg.layers, cfg.target_list, "CLIP-SVD")
 
 
 class ClipSVD(TowerWeightsAdapter):

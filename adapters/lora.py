@@ -44,20 +44,18 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from fewclip.attention import pack_split_state, parse_layers, split_attention
+from fewclip.attention import pack_split_state
 from fewclip.rng import forked_global_rng
 
 from ._text import TextTower
 from ._towers import (TARGETS, TOWERS, TowerPrototypes, check_tower_targets, shared_copy,  # noqa: F401
-                      target_list, tower_blocks)
-from fewclip.adapter import Adapter, AdapterConfig, AdapterError, register_adapter
+                      target_linears, target_list, tower_blocks)
+from fewclip.adapter import Adapter, AdapterConfig, register_adapter
 from fewclip.presets import Preset, register_presets
 from .lora_export import LORA
 
 log = logging.getLogger(__name__)
 
-_ATTN_NAMES = {"q": "attn.q_proj", "k": "attn.k_proj", "v": "attn.v_proj", "o": "attn.out_proj"}
-_MLP_NAMES = ("mlp.c_fc", "mlp.c_proj")
 ADAPTER_NAME = "default"  # peft's adapter slot
 
 
@@ -97,36 +95,7 @@ class LoRAConfig(AdapterConfig):
 def lora_target_modules(model: nn.Module, cfg: LoRAConfig) -> List[str]:
     """Split the targeted blocks' attention (in place, on a copy) and list the full names of the Linears
     peft should adapt."""
-    towers = ["text", "vision"] if cfg.towers == "both" else [cfg.towers]
-    targets = cfg.target_list
-    names: List[str] = []
-    for tower in towers:
-        try:
-            prefix, blocks = tower_blocks(model, tower)
-        except ValueError as e:
-            other = {"text": "vision", "vision": "text"}[tower]
-            raise AdapterError(f"LoRA on the {tower} tower needs an open_clip transformer there: {e}; adapt only "
-                               f"the other tower with adapter.towers={other}") from None
-        try:
-            layers = parse_layers(cfg.layers, len(blocks))
-        except ValueError as e:
-            raise ValueError(f"adapter.towers={cfg.towers}: {e}") from None
-        if any(t in ("q", "k", "v", "o") for t in targets):
-            # Split q/k/v, and for `o` too: nn.MultiheadAttention reads out_proj.weight directly instead of
-            # calling out_proj, so a LoRA wrapper on it would never run. SplitAttention calls it.
-            try:
-                split_attention([blocks[i] for i in layers])
-            except ValueError as e:
-                raise ValueError(f"LoRA on the {tower} tower: {e}") from None
-        for i in layers:
-            for t in targets:
-                for sub in (_MLP_NAMES if t == "mlp" else (_ATTN_NAMES[t],)):
-                    names.append(f"{prefix}.{i}.{sub}")
-    own = dict(model.named_modules())
-    for n in names:
-        if not isinstance(own.get(n), nn.Linear):
-            raise ValueError(f"LoRA target {n} is not an nn.Linear in this backbone ({type(own.get(n)).__name__})")
-    return names
+    return target_linears(model, cfg.towers, cfg.layers, cfg.target_list, "LoRA")
 
 
 class LoRA(TowerPrototypes, Adapter):

@@ -37,11 +37,11 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Union
+from typing import Any, Dict, Union
 
 import torch
 
-from fewclip.export import METADATA_KEY, META_FILE, ExportError, PrototypeClassifier
+from fewclip.export import METADATA_KEY, META_FILE, ExportError
 
 from fewclip.adapter import ExportFormat, adapter_info
 import tempfile
@@ -51,8 +51,7 @@ from fewclip.io import atomic_write, atomic_write_text
 import copy
 from safetensors.torch import load_file
 from fewclip.backbones import BackboneError, load_state_dict_strict
-from fewclip.features import text_prototypes
-from fewclip.data import check_classnames
+from ._towers import MergedClassifier
 
 log = logging.getLogger(__name__)
 
@@ -114,29 +113,14 @@ def summary(path: Union[str, Path], meta: Dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------
 
 
-class LoRAClassifier(PrototypeClassifier):
-    """Images -> class logits on a backbone whose weights have the LoRA updates merged in.
-
-    The prototypes are the zero-shot prototypes of the run's templates through the
-    adapted text tower; ``with_classnames`` builds them for any other names.
-    """
-
-    def __init__(self, backbone, meta: Dict[str, Any], path: Optional[Path] = None,
-                 classnames: Optional[Sequence[str]] = None):
-
-        names = list(classnames if classnames is not None else meta["classnames"])
-        super().__init__(backbone, {**meta, "classnames": names}, text_prototypes(backbone, names, meta["templates"]),
-                         path)
+class LoRAClassifier(MergedClassifier):
+    """Images -> class logits on a backbone whose weights have the LoRA updates merged in (the prototypes of the
+    run's templates through the adapted text tower; ``with_classnames`` builds them for any other names)."""
 
     def __repr__(self) -> str:
         lo = self.meta["lora"]
         return (f"LoRAClassifier({len(self.classnames)} classes, {self.backbone.name} [{self.geometry.name}], "
                 f"rank {lo['rank']}, targets {lo['targets']}, towers {lo['towers']})")
-
-    def with_classnames(self, classnames: Sequence[str]) -> "LoRAClassifier":
-
-        names = check_classnames(classnames, "with_classnames")
-        return LoRAClassifier(self.backbone, self.meta, self.path, names)
 
 
 @torch.no_grad()
