@@ -276,3 +276,26 @@ def test_report_help_lists_its_options_without_loading_models():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "rename: {}  # method -> the name the tables and figures show" in out
     assert "format: [png]  # figure formats" in out and out.strip().endswith("False")
+
+
+def test_a_pipe_in_a_name_stays_in_its_cell(tmp_path):
+    """A method or dataset named with a '|' (a sweep variant's key, a folder of images) must not split the row
+    of report.md's tables, and report.html and report.tex must show the name whole."""
+    from fewclip.report.html import blocks
+
+    for seed, top1 in zip((1, 2), (70.0, 74.0)):
+        add_run(tmp_path / "runs", "coop|wide", "shapes|v2", 4, seed, top1)
+        add_run(tmp_path / "runs", "zeroshot", "shapes|v2", 0, seed, 50.0)
+    out = tmp_path / "out"
+    write_report(tmp_path / "runs", out)
+    md = (out / "report.md").read_text()
+    tables = [b for b in blocks(md) if b[0] == "table"]
+    assert tables
+    for _, headers, _, rows in tables:
+        for row in rows:
+            assert len(row) == len(headers), (headers, row)
+    cells = {c for *_, rows in tables for row in rows for c in row}
+    assert any("coop|wide" in c for c in cells) and any("shapes|v2" in c for c in cells)
+    tex = (out / "report.tex").read_text()
+    assert "coop|wide" not in tex and r"coop\textbar{}wide" in tex
+    assert "<td><code>coop|wide</code></td>" in (out / "report.html").read_text()

@@ -15,14 +15,15 @@ from typing import Dict, List, Sequence
 from .runs import AVERAGE, PROTOCOL_TITLES
 from .stats import CellStats, ProtocolCell
 
-_SPECIAL = re.compile(r"([&%$#_{}~^\\])")
+_SPECIAL = re.compile(r"([&%$#_{}~^|\\])")
 
 
 def tex(text: str) -> str:
     """``text`` with LaTeX's special characters escaped."""
     def esc(m):
         c = m.group(1)
-        return {"~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "\\": r"\textbackslash{}"}.get(c, "\\" + c)
+        return {"~": r"\textasciitilde{}", "^": r"\textasciicircum{}", "\\": r"\textbackslash{}",
+                "|": r"\textbar{}"}.get(c, "\\" + c)
 
     return _SPECIAL.sub(esc, str(text))
 

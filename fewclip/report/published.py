@@ -157,7 +157,8 @@ def render_published_markdown(comparisons: Sequence[Comparison]) -> str:
     for c in comparisons:
         r = c.row
         ds = display_dataset(r)
-        lines.append(f"| {c.method} | {r.backbone} | {ds} | {r.protocol} | {r.shots} | {r.metric} | {c.mean:.2f} | "
+        method = c.method.replace("|", "\\|")  # a user's method named with a pipe stays in its cell
+        lines.append(f"| {method} | {r.backbone} | {ds} | {r.protocol} | {r.shots} | {r.metric} | {c.mean:.2f} | "
                      f"{c.n} | {r.value:.2f} | {_fmt(c.gap, '+.1f')} | {r.source} |")
     return "\n".join(lines) + "\n"
 

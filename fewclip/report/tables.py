@@ -22,7 +22,10 @@ logger = logging.getLogger(__name__)
 
 
 def _md_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    """A pipe table padded so it also reads well as plain text."""
+    """A pipe table padded so it also reads well as plain text. A ``|`` inside a cell (a method, dataset or
+    backbone named with one) is written ``\\|``, so it cannot split its row."""
+    headers = [h.replace("|", "\\|") for h in headers]
+    rows = [[c.replace("|", "\\|") for c in r] for r in rows]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
     aligns = ["<", "<"] + [">"] * (len(headers) - 2)
 
