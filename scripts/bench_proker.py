@@ -2,6 +2,8 @@
 
     python scripts/bench_proker.py                          # 100 classes (with the direct solve beside it)
     python scripts/bench_proker.py classes=[100,1000] tiles_at_1000=40   # 1000 classes: a part of one iteration
+    python scripts/bench_proker.py classes=[1000] max_iter=1             # 1000 classes: one whole iteration
+    python scripts/bench_proker.py classes=[1000] views=3                # N = 48000: complete, beyond the direct solve
     python scripts/bench_proker.py classes=[100,1000] device=cuda        # the whole 1000-class solve on a GPU
 
 Training points as the authors make them (``trainers/proker.py``, ``main.py`` of omarnust/BReg-Adapter): every
