@@ -164,6 +164,8 @@ def main(argv) -> int:
             else:
                 what = (f"{r['iterations']} iterations of {r['iteration_s']} s, residual {r['residual']:.1e}, "
                         f"{r['tiles_per_product']} tiles a product")
+                if r["residual"] > cfg.tol:  # max_iter stopped it: a timing of its iterations, not a solve
+                    what += f"; NOT CONVERGED (tol {cfg.tol:g}): stopped at max_iter={cfg.max_iter}"
             gpu = f", peak GPU memory {r['peak_gpu_gib']:.2f} GiB" if "peak_gpu_gib" in r else ""
             print(f"  {classes} classes, N={r['N']}, {kind:6s}: {r['seconds']:8.1f} s, peak RSS {r['peak_rss_gib']:.2f} GiB"
                   f"{gpu}  ({what})", flush=True)
