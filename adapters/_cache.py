@@ -19,14 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fewclip.features import class_text_features, prototypes_of
-from fewclip.geometry import Geometry
+from fewclip.features.encode import class_text_features, prototypes_of
+from fewclip.backbones.geometry import Geometry
 
 TIE_BREAKS = ("loss", "first")
 
 
 class TextClassifier(NamedTuple):
-    prototypes: Tensor  # [C, D] points of the geometry: the zero-shot classifier (fewclip.features.text_prototypes)
+    prototypes: Tensor  # [C, D] points of the geometry: the zero-shot classifier (fewclip.features.encode.text_prototypes)
     base: Tensor  # [C, D] raw text-tower space; geometry.embed_text(base) == prototypes
 
 

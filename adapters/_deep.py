@@ -25,7 +25,7 @@ transformers call it (``block(x, attn_mask=...)``), so open_clip's standard bloc
 (``Attention`` with qk-norm or scaled cosine attention) and fewclip's local-window attention all work
 unchanged, and the backbone is never modified (a sweep reuses it). Tokens appended after the patch grid
 have no place on it, so a local window lets them see, and be seen by, every token
-(``fewclip.attention.Window``).
+(``fewclip.backbones.attention.Window``).
 
 ``DeepPromptAdapter`` is the adapter part the three methods share: the class prompts (CoOp's layout with
 the class name at the end; the first ``n_ctx`` tokens of ``ctx_init`` learnable, any further words of it
@@ -43,9 +43,9 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from ._prompts import packed_suffixes, shared_prefix_length
-from ._text import TextTower, _block_shared, class_prompts, pad_sequences
-from fewclip.adapter import Adapter, AdapterError
+from fewclip.adapters._prompts import packed_suffixes, shared_prefix_length
+from fewclip.adapters._text import TextTower, _block_shared, class_prompts, pad_sequences
+from fewclip.adapter.base import Adapter, AdapterError
 from open_clip.transformer import VisionTransformer
 
 TEXT_MODES = ("shared", "truncate", "faithful")

@@ -18,9 +18,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fewclip.features import text_prototypes
+from fewclip.features.encode import text_prototypes
 
-from fewclip.adapter import Adapter, AdapterError
+from fewclip.adapter.base import Adapter, AdapterError
 
 
 def default_linear(in_features: int, out_features: int, generator: torch.Generator, *, zero: bool = False,

@@ -1,3 +1,3 @@
-"""The generic adapter export, kept importable here; it lives in the core as ``fewclip.state_export``."""
-from fewclip.state_export import *  # noqa: F401,F403
-from fewclip.state_export import STATE  # noqa: F401
+"""The generic adapter export, kept importable here; it lives in the core as ``fewclip.adapter.state_export``."""
+from fewclip.adapter.state_export import *  # noqa: F401,F403
+from fewclip.adapter.state_export import STATE  # noqa: F401

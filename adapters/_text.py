@@ -30,8 +30,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from open_clip.transformer import ResidualAttentionBlock, text_global_pool
 
-from ._prompts import PromptLayout, assemble_prompts
-from fewclip.adapter import AdapterError
+from fewclip.adapters._prompts import PromptLayout, assemble_prompts
+from fewclip.adapter.base import AdapterError
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class PromptEnds:
 
 
 def prompt_ends(tokenizer) -> PromptEnds:
-    """The special tokens of fewclip's word tokenizer, open_clip's BPE, or ``fewclip.tokenizer.HFTextTokenizer``."""
+    """The special tokens of fewclip's word tokenizer, open_clip's BPE, or ``fewclip.backbones.tokenizer.HFTextTokenizer``."""
     if hasattr(tokenizer, "start_ids"):  # HFTextTokenizer: read from the Hugging Face tokenizer itself
         return PromptEnds(list(tokenizer.start_ids), list(tokenizer.end_ids), int(tokenizer.pad_token_id))
     return PromptEnds([int(tokenizer.sot_token_id)], [int(tokenizer.eot_token_id)],

@@ -34,21 +34,21 @@ from typing import Any, Dict, List, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from fewclip.attention import parse_layers, split_attention, text_tower_parts, vision_tower_parts
-from fewclip.export import METADATA_KEY, ExportError, PrototypeClassifier
+from fewclip.backbones.attention import parse_layers, split_attention, text_tower_parts, vision_tower_parts
+from fewclip.adapter.exports import METADATA_KEY, ExportError, PrototypeClassifier
 
-from fewclip.state_export import FORMAT as STATE_FORMAT
-from fewclip.state_export import FORMAT_VERSION as STATE_VERSION
-from fewclip.state_export import load_state, write_state
-from ._text import TextTower
-from fewclip.adapter import Adapter, AdapterError, ExportFormat
+from fewclip.adapter.state_export import FORMAT as STATE_FORMAT
+from fewclip.adapter.state_export import FORMAT_VERSION as STATE_VERSION
+from fewclip.adapter.state_export import load_state, write_state
+from fewclip.adapters._text import TextTower
+from fewclip.adapter.base import Adapter, AdapterError, ExportFormat
 from safetensors.torch import save_file
-from fewclip.io import atomic_write
-from fewclip.state_export import summary as state_summary
+from fewclip.utils.io import atomic_write
+from fewclip.adapter.state_export import summary as state_summary
 from safetensors.torch import load_file
-from fewclip.backbones import BackboneError, load_state_dict_strict
-from fewclip.features import text_prototypes
-from fewclip.data import check_classnames
+from fewclip.backbones.backbone import BackboneError, load_state_dict_strict
+from fewclip.features.encode import text_prototypes
+from fewclip.data.base import check_classnames
 
 DEFAULT_TEMPLATE = "a photo of a {}."
 

@@ -39,13 +39,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fewclip.engine import CachedFeatures, FeatureSource, train_loop
-from fewclip.features import Features
+from fewclip.train.engine import CachedFeatures, FeatureSource, train_loop
+from fewclip.features.encode import Features
 
-from ._cache import text_classifier
-from fewclip.state_export import STATE
-from fewclip.adapter import Adapter, AdapterConfig, register_adapter
-from fewclip.presets import Preset, Setting, register_presets
+from fewclip.adapters._cache import text_classifier
+from fewclip.adapter.state_export import STATE
+from fewclip.adapter.base import Adapter, AdapterConfig, register_adapter
+from fewclip.config.presets import Preset, Setting, register_presets
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ cosine after one warm-up epoch at 1e-5, batch 32, 50/100/100/200/200 epochs for 
 the run's cached augmented views; last epoch, no selection.
 
 Geometry: the MLP and the blend act in the geometry's linear space (``to_linear`` of the embedded
-features, ``fewclip.geometry``) and the result goes back with ``from_linear`` before the geometry's logits
+features, ``fewclip.backbones.geometry``) and the result goes back with ``from_linear`` before the geometry's logits
 against the zero-shot prototypes of the run's templates. In the clip geometry this is the authors'
 computation: they feed the raw feature, and since both layers are bias-free and ReLU is positively
 homogeneous, feeding the normalised feature scales ``a`` and ``x`` alike and the cosine does not change.
@@ -37,10 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._cache import text_classifier
-from fewclip.state_export import STATE
-from fewclip.adapter import Adapter, AdapterConfig, register_adapter
-from fewclip.presets import Preset, Setting, register_presets
+from fewclip.adapters._cache import text_classifier
+from fewclip.adapter.state_export import STATE
+from fewclip.adapter.base import Adapter, AdapterConfig, register_adapter
+from fewclip.config.presets import Preset, Setting, register_presets
 
 
 @dataclass

@@ -14,7 +14,7 @@ which is a multiple of 4), so with the singular values unchanged the adapted tow
 product either as their chain ``(x Vh^T) * s U^T`` or by rebuilding the weight ``(U * s) Vh`` once per call,
 whichever takes fewer multiply-adds for the call's number of tokens (the rebuild for more tokens than about
 the width: the image tower at batch 32). The blocks' attention is split into
-q/k/v Linears on a copy of the module tree (``fewclip.attention.split_attention``, as for LoRA); the
+q/k/v Linears on a copy of the module tree (``fewclip.backbones.attention.split_attention``, as for LoRA); the
 backbone is never modified.
 
 The saved state is the singular values only. ``merged_state_dict()`` folds them back into a plain open_clip
@@ -29,12 +29,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fewclip.attention import pack_split_state
+from fewclip.backbones.attention import pack_split_state
 
-from ._towers import (TARGETS, TOWER, TOWERS, TowerWeightsAdapter, check_tower_targets, replace_module,  # noqa: F401
+from fewclip.adapters._towers import (TARGETS, TOWER, TOWERS, TowerWeightsAdapter, check_tower_targets, replace_module,  # noqa: F401
                       shared_copy, target_linears, target_list, tower_blocks)
-from fewclip.adapter import AdapterConfig, register_adapter
-from fewclip.presets import Preset, Setting, register_presets
+from fewclip.adapter.base import AdapterConfig, register_adapter
+from fewclip.config.presets import Preset, Setting, register_presets
 
 
 

@@ -33,12 +33,12 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ._family import default_linear, learned_for_classnames, text_output_dim
-from ._prompts import packed_suffix_rows
-from fewclip.state_export import STATE
-from fewclip.adapter import AdapterError, register_adapter
-from fewclip.presets import Preset, register_presets
-from .coop import CoOp, CoOpConfig
+from fewclip.adapters._family import default_linear, learned_for_classnames, text_output_dim
+from fewclip.adapters._prompts import packed_suffix_rows
+from fewclip.adapter.state_export import STATE
+from fewclip.adapter.base import AdapterError, register_adapter
+from fewclip.config.presets import Preset, register_presets
+from fewclip.adapters.coop import CoOp, CoOpConfig
 
 META_INITS = ("default", "zero")
 # Tokens of the packed class suffixes per row in the shared path (rows of a few hundred tokens keep the
@@ -70,7 +70,7 @@ class CoCoOpConfig(CoOpConfig):
 class CoCoOp(CoOp):
     name = "cocoop"
     supports_new_classes = True
-    text_step = "image_text_features"  # the class prompts of a chunk of images (fewclip.compiled)
+    text_step = "image_text_features"  # the class prompts of a chunk of images (fewclip.train.compiled)
     # vit_b16_c4_ep10_batch1_ctxv1.yaml: batch 1, 10 epochs, SGD lr 0.002 (the train section's default).
     train_defaults = {"batch_size": 1, "epochs": 10}
 

@@ -32,11 +32,11 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ._prompts import POSITIONS, packed_suffixes, shared_prefix_length
-from ._text import TextTower, class_prompts, pad_sequences
-from fewclip.adapter import Adapter, AdapterConfig, AdapterError, register_adapter
-from fewclip.presets import Preset, register_presets
-from .coop_export import PROMPTS
+from fewclip.adapters._prompts import POSITIONS, packed_suffixes, shared_prefix_length
+from fewclip.adapters._text import TextTower, class_prompts, pad_sequences
+from fewclip.adapter.base import Adapter, AdapterConfig, AdapterError, register_adapter
+from fewclip.config.presets import Preset, register_presets
+from fewclip.adapters.coop_export import PROMPTS
 
 
 @dataclass

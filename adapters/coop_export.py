@@ -1,7 +1,7 @@
 """CoOp's export: the learned prompts as one self-describing ``.safetensors`` file (format ``fewclip.prompts``).
 
 ``fewclip export RUN_DIR -o prompts.safetensors [nearest=3]`` on a CoOp run
-(``fewclip.export.export_run``) writes it; ``fewclip.load_prompts`` and
+(``fewclip.adapter.exports.export_run``) writes it; ``fewclip.load_prompts`` and
 ``fewclip predict`` load it as a ``PromptClassifier``.
 
 The file
@@ -15,7 +15,7 @@ Tensors (float32):
 One metadata entry, ``"fewclip"``, holds a JSON object with what every fewclip
 export carries (``format`` = ``"fewclip.prompts"``, ``format_version``,
 ``fewclip_version``, ``backbone``, ``geometry``, ``preprocess``,
-``tokenizer``, ``classnames``, ``run``: see ``fewclip.export``) and
+``tokenizer``, ``classnames``, ``run``: see ``fewclip.adapter.exports``) and
 ``prompt`` (``class_token_position``, ``n_ctx``, ``csc``, ``ctx_init``),
 ``nearest_words`` (CoOp's reading of the context: the ``k`` vocabulary tokens
 nearest to each vector, ``[n_ctx][k]`` for a unified context, ``[C][n_ctx][k]``
@@ -48,7 +48,7 @@ whose sha256 is ``meta["backbone"]["weights_sha256"]``)::
 ``euclidean_sq`` uses the squared distance, ``elliptic`` ``-scale *
 arccos(cosine)``; the hyperbolic geometries scale the features by
 ``alpha_image``, lift them with the exponential map at the origin and use the
-Lorentz distance: ``fewclip.geometry`` (``exp_map0``, ``lorentz_distance``)
+Lorentz distance: ``fewclip.backbones.geometry`` (``exp_map0``, ``lorentz_distance``)
 holds each formula as a small tensor function.
 """
 from __future__ import annotations
@@ -59,15 +59,15 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from fewclip.export import METADATA_KEY, ExportError, PrototypeClassifier, check_metadata, read_metadata
+from fewclip.adapter.exports import METADATA_KEY, ExportError, PrototypeClassifier, check_metadata, read_metadata
 
-from fewclip.adapter import ExportFormat, adapter_info
+from fewclip.adapter.base import ExportFormat, adapter_info
 from safetensors.torch import save_file
-from fewclip.io import atomic_write
-from fewclip.export import export_metadata
+from fewclip.utils.io import atomic_write
+from fewclip.adapter.exports import export_metadata
 from safetensors import safe_open
-from ._text import TextTower
-from fewclip.data import check_classnames
+from fewclip.adapters._text import TextTower
+from fewclip.data.base import check_classnames
 
 FORMAT = "fewclip.prompts"
 FORMAT_VERSION = 1

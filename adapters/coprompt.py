@@ -47,11 +47,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._family import text_output_dim
-from fewclip.state_export import STATE
-from fewclip.adapter import AdapterError, register_adapter
-from fewclip.presets import Preset, register_presets
-from .maple import MaPLe, MaPLeConfig
+from fewclip.adapters._family import text_output_dim
+from fewclip.adapter.state_export import STATE
+from fewclip.adapter.base import AdapterError, register_adapter
+from fewclip.config.presets import Preset, register_presets
+from fewclip.adapters.maple import MaPLe, MaPLeConfig
 
 log = logging.getLogger(__name__)
 

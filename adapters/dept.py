@@ -42,12 +42,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._family import default_linear, text_output_dim
-from fewclip.state_export import STATE
-from fewclip.adapter import Adapter, AdapterConfig, AdapterError, register_adapter
-from fewclip.presets import Preset, Setting, register_presets
-from .coop import CoOp, CoOpConfig
-from .maple import MaPLe, MaPLeConfig
+from fewclip.adapters._family import default_linear, text_output_dim
+from fewclip.adapter.state_export import STATE
+from fewclip.adapter.base import Adapter, AdapterConfig, AdapterError, register_adapter
+from fewclip.config.presets import Preset, Setting, register_presets
+from fewclip.adapters.coop import CoOp, CoOpConfig
+from fewclip.adapters.maple import MaPLe, MaPLeConfig
 
 LEARNERS = ("coop", "maple")
 

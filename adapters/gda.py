@@ -35,11 +35,11 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ._cache import TIE_BREAKS, choose, scored, text_classifier
-from fewclip.state_export import STATE
-from fewclip.adapter import Adapter, AdapterConfig, register_adapter
-from fewclip.presets import Preset, Setting, register_presets
-from .linear_probe import probe_features
+from fewclip.adapters._cache import TIE_BREAKS, choose, scored, text_classifier
+from fewclip.adapter.state_export import STATE
+from fewclip.adapter.base import Adapter, AdapterConfig, register_adapter
+from fewclip.config.presets import Preset, Setting, register_presets
+from fewclip.adapters.linear_probe import probe_features
 
 log = logging.getLogger(__name__)
 

@@ -29,10 +29,10 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ._deep import DeepPromptAdapter, normal, vision_transformer
-from fewclip.state_export import STATE
-from fewclip.adapter import AdapterConfig, AdapterError, register_adapter
-from fewclip.presets import Preset, Setting, register_presets
+from fewclip.adapters._deep import DeepPromptAdapter, normal, vision_transformer
+from fewclip.adapter.state_export import STATE
+from fewclip.adapter.base import AdapterConfig, AdapterError, register_adapter
+from fewclip.config.presets import Preset, Setting, register_presets
 
 
 @dataclass

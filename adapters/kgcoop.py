@@ -23,11 +23,11 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from ._family import learned_for_classnames, loss_near_teacher, zero_shot_points
-from fewclip.state_export import STATE
-from fewclip.adapter import register_adapter
-from fewclip.presets import Preset, register_presets
-from .coop import CoOp, CoOpConfig
+from fewclip.adapters._family import learned_for_classnames, loss_near_teacher, zero_shot_points
+from fewclip.adapter.state_export import STATE
+from fewclip.adapter.base import register_adapter
+from fewclip.config.presets import Preset, register_presets
+from fewclip.adapters.coop import CoOp, CoOpConfig
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 Two adapters, both fit-style (``trained_by = "fit"``): the engine calls
 ``fit(data)`` with the cached raw image-tower features of the un-augmented
-training and validation images (``fewclip.engine.FitData``) instead of
+training and validation images (``fewclip.train.engine.FitData``) instead of
 running its own gradient loop.
 
 ``linear_probe``: the CLIP paper's probe
@@ -120,12 +120,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fewclip.features import progress, text_prototypes
-from fewclip.geometry import Geometry
+from fewclip.features.encode import progress, text_prototypes
+from fewclip.backbones.geometry import Geometry
 
-from fewclip.state_export import STATE
-from fewclip.adapter import Adapter, AdapterConfig, register_adapter
-from fewclip.presets import Preset, Setting, register_presets
+from fewclip.adapter.state_export import STATE
+from fewclip.adapter.base import Adapter, AdapterConfig, register_adapter
+from fewclip.config.presets import Preset, Setting, register_presets
 
 log = logging.getLogger(__name__)
 

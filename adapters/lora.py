@@ -11,7 +11,7 @@ optimisation defaults reach the run's ``train`` section through
 open_clip packs q, k and v into one ``in_proj_weight`` of an
 ``nn.MultiheadAttention``; peft adapts ``nn.Linear`` modules. So the adapter
 works on a *copy* of the backbone's module tree (the frozen tensors are shared,
-not copied) whose targeted attention modules are ``fewclip.attention.SplitAttention``
+not copied) whose targeted attention modules are ``fewclip.backbones.attention.SplitAttention``
 (q, k, v and output as four Linears, numerically the same attention, local
 windows kept), and peft's ``LoraConfig`` names exactly the Linears to adapt:
 ``q``, ``k``, ``v``, ``o`` (attention output) and ``mlp`` (both MLP layers),
@@ -44,15 +44,15 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from fewclip.attention import pack_split_state
-from fewclip.rng import forked_global_rng
+from fewclip.backbones.attention import pack_split_state
+from fewclip.utils.rng import forked_global_rng
 
-from ._text import TextTower
-from ._towers import (TARGETS, TOWERS, TowerPrototypes, check_tower_targets, shared_copy,  # noqa: F401
+from fewclip.adapters._text import TextTower
+from fewclip.adapters._towers import (TARGETS, TOWERS, TowerPrototypes, check_tower_targets, shared_copy,  # noqa: F401
                       target_linears, target_list, tower_blocks)
-from fewclip.adapter import Adapter, AdapterConfig, register_adapter
-from fewclip.presets import Preset, register_presets
-from .lora_export import LORA
+from fewclip.adapter.base import Adapter, AdapterConfig, register_adapter
+from fewclip.config.presets import Preset, register_presets
+from fewclip.adapters.lora_export import LORA
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """Exported LoRA runs: peft's own format plus fewclip's metadata, or one merged open_clip state dict.
 
-``fewclip export RUN_DIR [merge=true]`` (``fewclip.export.export_run``) on a LoRA run writes a folder::
+``fewclip export RUN_DIR [merge=true]`` (``fewclip.adapter.exports.export_run``) on a LoRA run writes a folder::
 
     RUN_DIR/export/
       adapter_model.safetensors   the LoRA A/B matrices, peft's key names
@@ -15,7 +15,7 @@
 
 peft's files load with peft on the same module tree fewclip builds: the
 backbone with its targeted attention split into q/k/v Linears
-(``fewclip.attention.split_attention``); ``fewclip.adapters.lora`` does that.
+(``fewclip.backbones.attention.split_attention``); ``fewclip.adapters.lora`` does that.
 The merged file needs no fewclip and no peft::
 
     import open_clip, torch
@@ -29,7 +29,7 @@ and then classifies zero-shot with the run's templates (``fewclip.json``:
 ``fewclip.json`` holds what every fewclip export carries (``format`` =
 "fewclip.lora", ``format_version``, ``fewclip_version``, ``backbone``,
 ``geometry``, ``preprocess``, ``tokenizer``, ``classnames``, ``run``: see
-``fewclip.export``) and ``templates``, ``lora`` (the adapter config) and
+``fewclip.adapter.exports``) and ``templates``, ``lora`` (the adapter config) and
 ``trainable_parameters``.
 """
 from __future__ import annotations
@@ -41,17 +41,17 @@ from typing import Any, Dict, Union
 
 import torch
 
-from fewclip.export import METADATA_KEY, META_FILE, ExportError
+from fewclip.adapter.exports import METADATA_KEY, META_FILE, ExportError
 
-from fewclip.adapter import ExportFormat, adapter_info
+from fewclip.adapter.base import ExportFormat, adapter_info
 import tempfile
 from dataclasses import asdict
 from safetensors.torch import save_file
-from fewclip.io import atomic_write, atomic_write_text
+from fewclip.utils.io import atomic_write, atomic_write_text
 import copy
 from safetensors.torch import load_file
-from fewclip.backbones import BackboneError, load_state_dict_strict
-from ._towers import MergedClassifier
+from fewclip.backbones.backbone import BackboneError, load_state_dict_strict
+from fewclip.adapters._towers import MergedClassifier
 
 log = logging.getLogger(__name__)
 

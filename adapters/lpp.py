@@ -54,13 +54,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fewclip.features import progress
+from fewclip.features.encode import progress
 
-from ._cache import text_classifier
-from fewclip.state_export import STATE
-from fewclip.adapter import Adapter, AdapterConfig, register_adapter
-from fewclip.presets import Preset, Setting, register_presets
-from .linear_probe import probe_features
+from fewclip.adapters._cache import text_classifier
+from fewclip.adapter.state_export import STATE
+from fewclip.adapter.base import Adapter, AdapterConfig, register_adapter
+from fewclip.config.presets import Preset, Setting, register_presets
+from fewclip.adapters.linear_probe import probe_features
 
 log = logging.getLogger(__name__)
 

@@ -30,10 +30,10 @@ from typing import Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ._deep import DeepPromptAdapter, linear_init, normal, vision_transformer
-from fewclip.state_export import STATE
-from fewclip.adapter import AdapterConfig, register_adapter
-from fewclip.presets import Preset, register_presets
+from fewclip.adapters._deep import DeepPromptAdapter, linear_init, normal, vision_transformer
+from fewclip.adapter.state_export import STATE
+from fewclip.adapter.base import AdapterConfig, register_adapter
+from fewclip.config.presets import Preset, register_presets
 
 
 @dataclass

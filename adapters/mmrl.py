@@ -53,13 +53,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._deep import (encode_image_deep, encode_text_inserted, linear_init, normal, text_lower_blocks,
+from fewclip.adapters._deep import (encode_image_deep, encode_text_inserted, linear_init, normal, text_lower_blocks,
                     vision_transformer)
-from ._family import text_output_dim, zero_shot_points
-from fewclip.state_export import STATE
-from ._text import TextTower, pad_sequences
-from fewclip.adapter import Adapter, AdapterConfig, AdapterError, register_adapter
-from fewclip.presets import Preset, Setting, register_presets
+from fewclip.adapters._family import text_output_dim, zero_shot_points
+from fewclip.adapter.state_export import STATE
+from fewclip.adapters._text import TextTower, pad_sequences
+from fewclip.adapter.base import Adapter, AdapterConfig, AdapterError, register_adapter
+from fewclip.config.presets import Preset, Setting, register_presets
 
 
 @dataclass

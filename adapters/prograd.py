@@ -28,12 +28,12 @@ from typing import Dict, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ._family import learned_for_classnames, zero_shot_points
-from fewclip.state_export import STATE
-from ._text import TextTower
-from fewclip.adapter import AdapterError, register_adapter
-from fewclip.presets import Preset, register_presets
-from .coop import CoOp, CoOpConfig
+from fewclip.adapters._family import learned_for_classnames, zero_shot_points
+from fewclip.adapter.state_export import STATE
+from fewclip.adapters._text import TextTower
+from fewclip.adapter.base import AdapterError, register_adapter
+from fewclip.config.presets import Preset, register_presets
+from fewclip.adapters.coop import CoOp, CoOpConfig
 
 
 @dataclass

@@ -52,12 +52,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fewclip.geometry import Geometry
+from fewclip.backbones.geometry import Geometry
 
-from ._cache import TIE_BREAKS, affinity, choose, self_similarity, scored, text_classifier
-from fewclip.state_export import STATE
-from fewclip.adapter import Adapter, AdapterConfig, register_adapter
-from fewclip.presets import Preset, Setting, register_presets
+from fewclip.adapters._cache import TIE_BREAKS, affinity, choose, self_similarity, scored, text_classifier
+from fewclip.adapter.state_export import STATE
+from fewclip.adapter.base import Adapter, AdapterConfig, register_adapter
+from fewclip.config.presets import Preset, Setting, register_presets
 
 log = logging.getLogger(__name__)
 

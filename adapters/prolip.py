@@ -16,7 +16,7 @@ are the zero-shot logits in every geometry (the projection's output is the tower
 
 Pre-projection features: the adapter's ``feature_tower`` is ``Backbone.tower_variant("preproj")``, so the
 engine gives it the views, validation and test images before the projection. Those are what the feature cache and
-store keep for every tower with a projection (the other methods' features are derived from them: ``fewclip.store``),
+store keep for every tower with a projection (the other methods' features are derived from them: ``fewclip.features.store``),
 so an image and view is encoded once for ProLIP and every other method together. Towers with an open_clip ViT
 projection (``visual.proj``) only; a ResNet's attention pool is refused with a message.
 
@@ -43,12 +43,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fewclip.engine import NonFiniteError
+from fewclip.train.engine import NonFiniteError
 
-from ._cache import TIE_BREAKS, choose, scored, text_classifier
-from fewclip.state_export import STATE
-from fewclip.adapter import Adapter, AdapterConfig, AdapterError, register_adapter
-from fewclip.presets import Preset, Setting, register_presets
+from fewclip.adapters._cache import TIE_BREAKS, choose, scored, text_classifier
+from fewclip.adapter.state_export import STATE
+from fewclip.adapter.base import Adapter, AdapterConfig, AdapterError, register_adapter
+from fewclip.config.presets import Preset, Setting, register_presets
 
 log = logging.getLogger(__name__)
 

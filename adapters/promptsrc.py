@@ -50,11 +50,11 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ._deep import gaussian_weights
-from fewclip.state_export import STATE
-from fewclip.adapter import AdapterError, register_adapter
-from fewclip.presets import Preset, Setting, register_presets
-from .ivlp import IVLP, IVLPConfig
+from fewclip.adapters._deep import gaussian_weights
+from fewclip.adapter.state_export import STATE
+from fewclip.adapter.base import AdapterError, register_adapter
+from fewclip.config.presets import Preset, Setting, register_presets
+from fewclip.adapters.ivlp import IVLP, IVLPConfig
 from open_clip.zero_shot_metadata import OPENAI_IMAGENET_TEMPLATES
 
 log = logging.getLogger(__name__)

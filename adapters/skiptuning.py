@@ -29,7 +29,7 @@ adapter.image_lr_scale=1``), their cross-dataset one ``preset=cross_dataset`` (`
 adapter.image_lr_scale=0.1``); ImageNet, SUN397 and
 Food101 run a quarter of the epochs.
 
-Everything is scored in the backbone's geometry (``fewclip.geometry``): before a step the trained copies are the
+Everything is scored in the backbone's geometry (``fewclip.backbones.geometry``): before a step the trained copies are the
 frozen blocks, so the logits are zero-shot's in every geometry. The tuned tensors are copies in a
 ``shared_copy`` of the module tree (``_towers``); the backbone is never modified. Exports: ``_towers.TOWER``
 (the generic adapter file; with ``merge=true`` a plain open_clip state dict with the tuned blocks).
@@ -45,10 +45,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ._deep import _run_block, text_lower_blocks, text_upper_blocks, vision_pool, vision_tokens, vision_transformer
-from ._towers import TOWER, TowerWeightsAdapter, replace_module, shared_copy, tower_blocks
-from fewclip.adapter import AdapterConfig, AdapterError, register_adapter
-from fewclip.presets import Preset, Setting, register_presets
+from fewclip.adapters._deep import _run_block, text_lower_blocks, text_upper_blocks, vision_pool, vision_tokens, vision_transformer
+from fewclip.adapters._towers import TOWER, TowerWeightsAdapter, replace_module, shared_copy, tower_blocks
+from fewclip.adapter.base import AdapterConfig, AdapterError, register_adapter
+from fewclip.config.presets import Preset, Setting, register_presets
 
 
 @dataclass

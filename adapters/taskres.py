@@ -35,10 +35,10 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
-from ._cache import text_classifier
-from fewclip.state_export import STATE
-from fewclip.adapter import Adapter, AdapterConfig, register_adapter
-from fewclip.presets import Preset, Setting, register_presets
+from fewclip.adapters._cache import text_classifier
+from fewclip.adapter.state_export import STATE
+from fewclip.adapter.base import Adapter, AdapterConfig, register_adapter
+from fewclip.config.presets import Preset, Setting, register_presets
 
 
 @dataclass

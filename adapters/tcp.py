@@ -34,11 +34,11 @@ import torch
 import torch.nn as nn
 from open_clip.transformer import QuickGELU
 
-from ._family import default_linear, learned_for_classnames, loss_near_teacher, text_output_dim, zero_shot_points
-from fewclip.state_export import STATE
-from fewclip.adapter import AdapterError, register_adapter
-from fewclip.presets import Preset, register_presets
-from .coop import CoOp, CoOpConfig
+from fewclip.adapters._family import default_linear, learned_for_classnames, loss_near_teacher, text_output_dim, zero_shot_points
+from fewclip.adapter.state_export import STATE
+from fewclip.adapter.base import AdapterError, register_adapter
+from fewclip.config.presets import Preset, register_presets
+from fewclip.adapters.coop import CoOp, CoOpConfig
 
 
 @dataclass

@@ -17,7 +17,7 @@ which is OpenAI CLIP's scale). With alpha = 0 the logits are the zero-shot logit
 Cache keys (``utils.build_cache_model``): ``views`` (10) augmented views of each training image; their raw
 tower outputs are averaged, then embedded (the authors average raw features, then normalise): in the
 Euclidean and hyperbolic geometries that is the mean in the geometry's linear (tangent) space, where it
-averages prompt templates too. The views are the run's shared augmented views (``fewclip.engine.RunFeatures``:
+averages prompt templates too. The views are the run's shared augmented views (``fewclip.train.engine.RunFeatures``:
 CoOp's crop of the dataset, not the authors' RandomResizedCrop scale (0.5, 1)), so a sweep encodes each view
 of an image once for every method.
 
@@ -40,10 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._cache import TIE_BREAKS, affinity, authors_grid, search_alpha_beta, self_similarity, text_classifier
-from fewclip.state_export import STATE
-from fewclip.adapter import Adapter, AdapterConfig, register_adapter
-from fewclip.presets import Preset, Setting, register_presets
+from fewclip.adapters._cache import TIE_BREAKS, affinity, authors_grid, search_alpha_beta, self_similarity, text_classifier
+from fewclip.adapter.state_export import STATE
+from fewclip.adapter.base import Adapter, AdapterConfig, register_adapter
+from fewclip.config.presets import Preset, Setting, register_presets
 
 log = logging.getLogger(__name__)
 

@@ -32,12 +32,12 @@ from typing import Dict
 
 from torch import Tensor, nn
 
-from fewclip.engine import CachedFeatures, train_loop
+from fewclip.train.engine import CachedFeatures, train_loop
 
-from fewclip.state_export import STATE
-from fewclip.adapter import register_adapter
-from fewclip.presets import Preset, Setting, register_presets
-from .tip_adapter import TipAdapter, TipAdapterConfig
+from fewclip.adapter.state_export import STATE
+from fewclip.adapter.base import register_adapter
+from fewclip.config.presets import Preset, Setting, register_presets
+from fewclip.adapters.tip_adapter import TipAdapter, TipAdapterConfig
 
 log = logging.getLogger(__name__)
 

@@ -36,11 +36,11 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from fewclip.attention import parse_layers
+from fewclip.backbones.attention import parse_layers
 
-from ._towers import TOWER, TowerWeightsAdapter, replace_module, shared_copy, tower_blocks
-from fewclip.adapter import AdapterConfig, AdapterError, register_adapter
-from fewclip.presets import Preset, register_presets
+from fewclip.adapters._towers import TOWER, TowerWeightsAdapter, replace_module, shared_copy, tower_blocks
+from fewclip.adapter.base import AdapterConfig, AdapterError, register_adapter
+from fewclip.config.presets import Preset, register_presets
 
 TOWERS = ("text", "vision", "both")
 ETA_MIN = 1e-6  # their CosineAnnealingLR(eta_min=1e-6), both stages

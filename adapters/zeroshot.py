@@ -2,7 +2,7 @@
 
 Radford et al., 2021: every template is filled with each class name, the text
 tower's outputs are embedded and averaged into one prototype per class by the
-backbone's geometry (``fewclip.features.text_prototypes``), and an image's
+backbone's geometry (``fewclip.features.encode.text_prototypes``), and an image's
 logits are the geometry's comparison of its embedding with the prototypes.
 An adapter with no parameters and nothing to train (``trained_by = None``):
 its runs have ``shots=0`` and no split.
@@ -14,10 +14,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from fewclip.features import text_prototypes
+from fewclip.features.encode import text_prototypes
 
-from fewclip.adapter import Adapter, AdapterConfig, register_adapter
-from fewclip.presets import Preset, register_presets
+from fewclip.adapter.base import Adapter, AdapterConfig, register_adapter
+from fewclip.config.presets import Preset, register_presets
 
 
 @dataclass

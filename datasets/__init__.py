@@ -2,13 +2,13 @@
 
 Importing this package registers every dataset here (fewclip's registry loads it through the
 ``fewclip.datasets`` entry point, as it loads a plugin's); it reads no files. The dataset interface
-(``fewclip.data``) and few-shot splits (``fewclip.splits``) are re-exported here for convenience.
+(``fewclip.data.base``) and few-shot splits (``fewclip.data.splits``) are re-exported here for convenience.
 """
-from fewclip.data import (DATASETS, DataConfig, Dataset, DatasetError, Item, build_dataset, check_classnames,
+from fewclip.data.base import (DATASETS, DataConfig, Dataset, DatasetError, Item, build_dataset, check_classnames,
                           dataset_name, register_dataset, to_rgb)
-from fewclip.splits import FewShotSplit, make_few_shot_split, read_split, sample_few_shot, subsample_test, write_split
+from fewclip.data.splits import FewShotSplit, make_few_shot_split, read_split, sample_few_shot, subsample_test, write_split
 
-from . import benchmarks, feature_file, folder, toytasks  # noqa: F401  (registration; feature_file: data=features)
+from fewclip.datasets import benchmarks, feature_file, folder, toytasks  # noqa: F401  (registration; feature_file: data=features)
 
 __all__ = [
     "DATASETS", "DataConfig", "Dataset", "DatasetError", "Item", "build_dataset", "check_classnames", "dataset_name",

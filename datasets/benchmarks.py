@@ -65,8 +65,8 @@ from functools import partial
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Tuple
 
-from fewclip.data import SPLITS, DataConfig, Dataset, DatasetError, Item, register_dataset
-from .folder import (
+from fewclip.data.base import SPLITS, DataConfig, Dataset, DatasetError, Item, register_dataset
+from fewclip.datasets.folder import (
     check_files,
     clean_classname,
     hash_order,

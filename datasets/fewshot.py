@@ -1,2 +1,2 @@
-"""Few-shot splits, kept importable here; they live in the core as ``fewclip.splits``."""
-from fewclip.splits import *  # noqa: F401,F403
+"""Few-shot splits, kept importable here; they live in the core as ``fewclip.data.splits``."""
+from fewclip.data.splits import *  # noqa: F401,F403

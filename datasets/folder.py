@@ -32,7 +32,7 @@ import os
 from pathlib import Path
 from typing import Collection, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from fewclip.data import SPLITS, DataConfig, Dataset, DatasetError, Item, folder_dataset_name, register_dataset
+from fewclip.data.base import SPLITS, DataConfig, Dataset, DatasetError, Item, folder_dataset_name, register_dataset
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff")
 

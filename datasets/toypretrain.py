@@ -4,7 +4,7 @@ This is how fewclip's reference backbones are made (``scripts/pretrain_reference
 is the thin entry point). The model is an open_clip ``CLIP``: a ViT image tower
 and a causal text transformer with argmax (end-of-text) pooling, as in real
 CLIP, with a word-level tokenizer over the toy world's vocabulary. The logits
-and the loss come from ``fewclip.geometry``, so one loop trains every geometry:
+and the loss come from ``fewclip.backbones.geometry``, so one loop trains every geometry:
 
     toy-clip     clip          symmetric InfoNCE, learnable logit scale (CLIP)
     toy-euclip   euclidean_sq  InfoNCE on -distance^2, no final LayerNorm (EuCLIP)
@@ -30,16 +30,16 @@ import torch.nn as nn
 
 import fewclip.datasets.toyworld as tw
 
-from fewclip.backbones import remove_final_ln
-from fewclip.features import progress
-from fewclip.geometry import Geometry, make_geometry
-from fewclip.tokenizer import WordTokenizer
-from fewclip.backbones import build_open_clip_model, resolve_device
-from fewclip.rng import forked_global_rng
+from fewclip.backbones.backbone import remove_final_ln
+from fewclip.features.encode import progress
+from fewclip.backbones.geometry import Geometry, make_geometry
+from fewclip.backbones.tokenizer import WordTokenizer
+from fewclip.backbones.backbone import build_open_clip_model, resolve_device
+from fewclip.utils.rng import forked_global_rng
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
-from fewclip.checksums import sha256_file
-from fewclip.io import atomic_write, atomic_write_text
+from fewclip.utils.checksums import sha256_file
+from fewclip.utils.io import atomic_write, atomic_write_text
 
 log = logging.getLogger(__name__)
 

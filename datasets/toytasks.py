@@ -39,7 +39,7 @@ import numpy as np
 from PIL import Image
 
 import fewclip.datasets.toyworld as tw
-from fewclip.data import DataConfig, Dataset, Item, register_dataset
+from fewclip.data.base import DataConfig, Dataset, Item, register_dataset
 
 _SPLIT_OFFSET = {"train": 0, "val": 10_000_000, "test": 20_000_000}
 

@@ -13,11 +13,11 @@ Towers, random weights (``backbone.pretrained=none``: the timing does not depend
 
 Each row is one setting: a window of k = 4, 8, 16, 32 (``windows=``) in every layer, as a
 ``band`` (|i-j| <= k) or a ``grid`` ((2k+1) x (2k+1) patches) for the image towers and a band
-for the text tower, computed with ``impl=mask`` or ``impl=flex`` (fewclip.attention). The
+for the text tower, computed with ``impl=mask`` or ``impl=flex`` (fewclip.backbones.attention). The
 ``full`` row of each tower is the unmodified tower (scaled_dot_product_attention with the
 tower's own mask), and both timings of every row are also given as a ratio to it:
 
-* attention: one ``fewclip.attention.attend`` call on random q, k, v of the tower's real
+* attention: one ``fewclip.backbones.attention.attend`` call on random q, k, v of the tower's real
   shape [batch, heads, tokens, 64], laid out as the tower lays them out;
 * tower: a whole forward pass (``encode_image`` on random pixels, ``encode_text`` on
   random tokens) with the window in every layer.
@@ -34,7 +34,7 @@ faster, on the CPU or anywhere (a ratio >= 1 is expected); it is there to check 
 and to run where FlexAttention is not available. The flex path (compiled with torch.compile at
 warm-up, on CUDA and, where a C++ compiler exists, on the CPU) skips the blocks of the score
 matrix that the window leaves empty and computes the partly covered ones in full: 128x128
-blocks on CUDA, 32x32 on the CPU (fewclip.attention.flex_block_size). The ``blocks`` column
+blocks on CUDA, 32x32 on the CPU (fewclip.backbones.attention.flex_block_size). The ``blocks`` column
 says how many blocks it computes. On CUDA, 77 tokens (one block) or 197 (two by two, each
 touched by the diagonal or the global class token) leave nothing to skip, so only
 ViT-L-14-336 (5 x 5 blocks) can get faster there. FlexAttention has no backward on the CPU,
@@ -57,12 +57,12 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from fewclip.attention import (CLS_MODES, SHAPES, LocalAttentionConfig, TextWindowConfig, VisionWindowConfig,
+from fewclip.backbones.attention import (CLS_MODES, SHAPES, LocalAttentionConfig, TextWindowConfig, VisionWindowConfig,
                                Window, _heads, _MaskCache, apply_local_attention, attend, flex_available,
                                text_tower_parts, vision_tower_parts)
-from fewclip.backbones import backbone_config_from_dict, load_backbone, resolve_device
-from fewclip.config import as_dict, load_config
-from fewclip.io import atomic_write_json
+from fewclip.backbones.backbone import backbone_config_from_dict, load_backbone, resolve_device
+from fewclip.config.compose import as_dict, load_config
+from fewclip.utils.io import atomic_write_json
 
 log = logging.getLogger("bench_attention")
 

@@ -10,8 +10,8 @@ The images are tiny synthetic pictures and the image tower is replaced by *rando
 random projection of the average-pooled pixels (768-d, ViT-B-32's width), then a fixed random projection to the
 512-d embedding (ViT-B-32's ``visual.proj``), so augmented views differ as views do, and every image that
 reaches the tower is counted. As for every tower with a projection, the feature cache keeps the features before
-it and derives the projected ones (``fewclip.store``): ProLIP and the other methods share one encoding.
-Each method runs through ``fewclip.run.run_train`` with the defaults of ``fewclip adapters``, all runs sharing
+it and derives the projected ones (``fewclip.features.store``): ProLIP and the other methods share one encoding.
+Each method runs through ``fewclip.runs.run.run_train`` with the defaults of ``fewclip adapters``, all runs sharing
 one feature cache as a sweep's runs do.
 
 Printed per method: the training time (``train_time_s``: the fit or the loop, not the frozen tower), the
@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from fewclip.backbones import BackboneConfig, load_backbone
-from fewclip.config import load_config
+from fewclip.backbones.backbone import BackboneConfig, load_backbone
+from fewclip.config.compose import load_config
 
 DEFAULT_METHODS = "tip_adapter,tip_adapter_f,clip_adapter,taskres,lpp,clap,gda,proker,prolip,zs_probe,linear_probe"
 # Settings a method runs with here instead of its defaults: ProLIP's own recipe searches 49 (lr, lambda) pairs of
@@ -100,8 +100,8 @@ def main(argv):
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     from fewclip.adapters import adapter_info
-    from fewclip.features import FeatureCache
-    from fewclip.run import load_train_config, run_train
+    from fewclip.features.encode import FeatureCache
+    from fewclip.runs.run import load_train_config, run_train
 
     torch.manual_seed(0)  # the random weights (a script may seed the process; the library never does)
     bb = load_backbone(BackboneConfig(name=cfg.arch, pretrained="none", device="cpu"))

@@ -29,8 +29,8 @@ from typing import List
 import torch
 import torch.nn.functional as F
 
-from fewclip.backbones import BackboneConfig, load_backbone
-from fewclip.config import load_config
+from fewclip.backbones.backbone import BackboneConfig, load_backbone
+from fewclip.config.compose import load_config
 
 
 @dataclass

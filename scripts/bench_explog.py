@@ -1,4 +1,4 @@
-"""What experiment logging (fewclip.explog) adds to a run: the same toy CoOp run (toy-clip, toy-shapes, 4 shots,
+"""What experiment logging (fewclip.utils.explog) adds to a run: the same toy CoOp run (toy-clip, toy-shapes, 4 shots,
 10 epochs of one step, every step logged) without logging, with TensorBoard, with W&B offline and with both,
 in one process (backbone, dataset and features loaded once, wandb imported once, as in a sweep's worker),
 in interleaved rounds; the minimum over the rounds of each setting.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from fewclip.run import RunResources, load_train_config, run_train
+from fewclip.runs.run import RunResources, load_train_config, run_train
 
 SETTINGS = ("none", "tensorboard", "wandb", "[tensorboard,wandb]")
 ARGS = ["adapter=coop", "data=toy-shapes", "shots=4", "train.epochs=10", "adapter.n_ctx=4", "data.max_test=200",

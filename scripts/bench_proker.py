@@ -27,8 +27,8 @@ from typing import List
 import torch
 import torch.nn.functional as F
 
-from fewclip.config import load_config
-from fewclip.geometry import make_geometry
+from fewclip.config.compose import load_config
+from fewclip.backbones.geometry import make_geometry
 from fewclip.adapters.proker import CG_DTYPES, KernelOperator, NystromPreconditioner, kernel, solve_cg, solve_direct
 
 

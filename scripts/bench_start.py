@@ -6,7 +6,7 @@ run (the ratio is what holds on a busy machine).
 
 Target (issue 21): `fewclip --help` and every `fewclip COMMAND --help` in at most 0.5 s of CPU. The help of
 train, zeroshot, sweep and features prints their config, composed from torch-free dataclasses and, for a built-in
-method, the adapter index (fewclip.quickhelp); a plugin's method still imports the registry.
+method, the adapter index (fewclip.cli.quickhelp); a plugin's method still imports the registry.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What the feature store's image check costs (``fewclip.image_fingerprint``): for a folder dataset of N image
+"""What the feature store's image check costs (``fewclip.data.image_fingerprint``): for a folder dataset of N image
 files, the fingerprint taken when a request is stored (a stat and a sha256 per file), the check before a stored
 request is served with FEWCLIP_CACHE_VERIFY=stat (a stat per file) and with =hash (a stat and a sha256 per file),
 and, beside them, what encoding the same images costs on toy-clip (decode, preprocess, tower).
@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from fewclip.backbones import BackboneConfig, load_backbone
+from fewclip.backbones.backbone import BackboneConfig, load_backbone
 from fewclip.datasets import DataConfig, build_dataset
-from fewclip.image_fingerprint import changed, fingerprint
-from fewclip.features import extract_features
+from fewclip.data.image_fingerprint import changed, fingerprint
+from fewclip.features.encode import extract_features
 
 
 def main(argv):

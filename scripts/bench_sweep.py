@@ -73,7 +73,7 @@ def machine() -> str:
 
 def sweep(spec: Path, out: Path, store: Path, args) -> float:
     env = {**os.environ, "FEWCLIP_CACHE": str(store), "FEWCLIP_DEBUG": "0"}
-    cmd = [sys.executable, "-m", "fewclip.cli", "sweep", str(spec), f"out={out}", "log_level=warning", *args]
+    cmd = [sys.executable, "-m", "fewclip.cli.main", "sweep", str(spec), f"out={out}", "log_level=warning", *args]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     took = time.perf_counter() - t0

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fewclip.config import load_config
+from fewclip.config.compose import load_config
 
 
 @dataclass
@@ -46,12 +46,12 @@ def main(argv):
     torch.set_num_threads(cfg.threads)
     from fewclip.adapters import build_adapter
     from fewclip.adapters._cache import search_alpha_beta
-    from fewclip.backbones import BackboneConfig, load_backbone
+    from fewclip.backbones.backbone import BackboneConfig, load_backbone
     from fewclip.datasets import DataConfig, build_dataset, make_few_shot_split
-    from fewclip.engine import RunFeatures
-    from fewclip.features import FeatureCache
-    from fewclip.run import load_train_config
-    from fewclip.splits import test_items
+    from fewclip.train.engine import RunFeatures
+    from fewclip.features.encode import FeatureCache
+    from fewclip.runs.run import load_train_config
+    from fewclip.data.splits import test_items
 
     wide = [float(v) for v in torch.logspace(-1, 3, 41)]
     print("test top-1 (%); tip: chosen / oracle on the default grid / oracle on a wide grid; "

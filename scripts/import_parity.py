@@ -32,8 +32,8 @@ from checkpoint_layouts import (CLASSNAMES, MERU_IMPORT_OPTIONS, TEMPLATES, eucl
                                 meru_checkpoint, open_clip_train_checkpoint, openai_archive, tiny_euclip_state_dict,
                                 tiny_images, tiny_meru_state_dict, tiny_openai_fp16)
 
-from fewclip.features import text_prototypes  # noqa: E402
-from fewclip.importer import import_checkpoint  # noqa: E402
+from fewclip.features.encode import text_prototypes  # noqa: E402
+from fewclip.backbones.importer import import_checkpoint  # noqa: E402
 
 
 def zeroshot(bb) -> torch.Tensor:

@@ -2,9 +2,9 @@
 
     python scripts/presets_table.py      # paste into README's "Presets" section (tests/test_presets.py checks it)
 """
-from fewclip.adapter import ADAPTERS, adapter_info
-from fewclip.presets import markdown_rows
-from fewclip.run import preset_defaults
+from fewclip.adapter.base import ADAPTERS, adapter_info
+from fewclip.config.presets import markdown_rows
+from fewclip.runs.run import preset_defaults
 
 if __name__ == "__main__":
     names = ADAPTERS.names()

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import torch
 
-from fewclip.backbones import REFERENCE_DIR, BackboneConfig, load_backbone, shipped_cards
-from fewclip.cli import setup_logging
+from fewclip.backbones.backbone import REFERENCE_DIR, BackboneConfig, load_backbone, shipped_cards
+from fewclip.cli.main import setup_logging
 from fewclip.datasets import DataConfig, build_dataset
-from fewclip.protocols import plan_base2new
+from fewclip.data.protocols import plan_base2new
 from fewclip.datasets.toytasks import TASKS
-from fewclip.io import atomic_write_json
-from fewclip.run import score_zeroshot
-from fewclip.splits import TEST_SUBSET_SEED
+from fewclip.utils.io import atomic_write_json
+from fewclip.runs.run import score_zeroshot
+from fewclip.data.splits import TEST_SUBSET_SEED
 
 log = logging.getLogger("fewclip.record_reference_zeroshot")
 

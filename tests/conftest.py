@@ -30,7 +30,7 @@ def shapes():
 
 @pytest.fixture(autouse=True)
 def feature_store(tmp_path_factory, monkeypatch):
-    """Each test has a feature store of its own (fewclip.store), never the user's ~/.cache: features
+    """Each test has a feature store of its own (fewclip.features.store), never the user's ~/.cache: features
     stored by one test do not change what another one encodes."""
     root = tmp_path_factory.mktemp("feature-store")
     monkeypatch.setenv("FEWCLIP_CACHE", str(root))

@@ -26,10 +26,10 @@ from fewclip.adapters.kgcoop import KgCoOp, KgCoOpConfig
 from fewclip.adapters.prograd import ProGrad, ProGradConfig
 from fewclip.adapters.tcp import TCP, TCPConfig
 from fewclip.adapters.zeroshot import ZeroShot, ZeroShotConfig
-from fewclip.backbones import Backbone
-from fewclip.engine import CachedFeatures, TrainConfig, train_loop
-from fewclip.features import Features
-from fewclip.geometry import make_geometry
+from fewclip.backbones.backbone import Backbone
+from fewclip.train.engine import CachedFeatures, TrainConfig, train_loop
+from fewclip.features.encode import Features
+from fewclip.backbones.geometry import make_geometry
 from tiny_clip import state_sha256, tiny_images, tiny_openai_state_dict
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "prompt_ref"

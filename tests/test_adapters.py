@@ -5,12 +5,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from fewclip.adapters import ADAPTERS, AdapterConfig, adapter_info, build_adapter, register_adapter
-from fewclip.backbones import BackboneConfig, load_backbone
-from fewclip.config import ConfigError
+from fewclip.backbones.backbone import BackboneConfig, load_backbone
+from fewclip.config.compose import ConfigError
 from fewclip.datasets import make_few_shot_split
-from fewclip.engine import FitData, TrainConfig
-from fewclip.features import Features, extract_features, text_prototypes
-from fewclip.run import load_train_config
+from fewclip.train.engine import FitData, TrainConfig
+from fewclip.features.encode import Features, extract_features, text_prototypes
+from fewclip.runs.run import load_train_config
 
 BACKBONES = ["toy-clip", "toy-meru"]  # clip and hyperbolic geometry
 

@@ -9,12 +9,12 @@ from conftest import method_geometry_params
 import torch
 
 from fewclip.adapters import ADAPTERS, adapter_info, build_adapter
-from fewclip.backbones import BackboneConfig, load_backbone
-from fewclip.engine import AMP_MODES, CachedFeatures, FeatureSource, FitData, TrainConfig, amp_autocast, amp_dtype, \
+from fewclip.backbones.backbone import BackboneConfig, load_backbone
+from fewclip.train.engine import AMP_MODES, CachedFeatures, FeatureSource, FitData, TrainConfig, amp_autocast, amp_dtype, \
     train_loop
-from fewclip.features import FeatureCache, Features
-from fewclip.geometry import exp_map0, make_geometry
-from fewclip.store import FeatureStore
+from fewclip.features.encode import FeatureCache, Features
+from fewclip.backbones.geometry import exp_map0, make_geometry
+from fewclip.features.store import FeatureStore
 from test_device_audit import CLASSNAMES, GEOMETRY_NAMES, TEMPLATES, backbones  # noqa: F401  (fixture)
 
 CPU = torch.device("cpu")

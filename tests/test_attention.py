@@ -6,12 +6,12 @@ import torch
 from omegaconf import OmegaConf
 
 from fewclip.adapters.coop import CoOp, CoOpConfig
-from fewclip.attention import (LocalAttention, LocalAttentionConfig, SplitAttention, Window, apply_local_attention,
+from fewclip.backbones.attention import (LocalAttention, LocalAttentionConfig, SplitAttention, Window, apply_local_attention,
                                attend, pack_split_state, parse_layers, split_attention)
-from fewclip.backbones import BackboneConfig, BackboneError, backbone_config_from_dict, build_open_clip_model, \
+from fewclip.backbones.backbone import BackboneConfig, BackboneError, backbone_config_from_dict, build_open_clip_model, \
     load_backbone
-from fewclip.config import ConfigError, load_config
-from fewclip.features import text_prototypes
+from fewclip.config.compose import ConfigError, load_config
+from fewclip.features.encode import text_prototypes
 from test_coop import SHAPES, tiny_model_config, write_card
 
 PROMPTS = ["a photo of a circle.", "a red square on grass", "star"]
@@ -257,7 +257,7 @@ def test_backbone_config_round_trips_through_yaml():
 
 
 def test_sweep_variants_with_windows_do_not_share_cached_features(tmp_path, shapes):
-    from fewclip.sweep import load_sweep_config, run_sweep
+    from fewclip.runs.sweep import load_sweep_config, run_sweep
 
     cfg = load_sweep_config([
         "sweep.backbones=[toy-clip]", "sweep.datasets=[toy-shapes]",
@@ -286,7 +286,7 @@ def test_sweep_variants_with_windows_do_not_share_cached_features(tmp_path, shap
 
 
 def test_flex_refuses_a_padding_mask():
-    from fewclip.attention import _MaskCache, attend
+    from fewclip.backbones.attention import _MaskCache, attend
 
     q = torch.randn(2, 2, 5, 8)
     pad = torch.zeros(4, 5, 5)
@@ -302,7 +302,7 @@ def test_flex_refuses_a_padding_mask():
 
 
 def test_auto_picks_compiled_flex_only_where_it_skips_blocks(monkeypatch):
-    import fewclip.attention as A
+    import fewclip.backbones.attention as A
 
     calls = []
 
@@ -329,7 +329,7 @@ def test_auto_picks_compiled_flex_only_where_it_skips_blocks(monkeypatch):
 
 def test_compiled_flex_on_the_cpu_equals_the_mask_path():
     """torch.compile of FlexAttention on the CPU (about 10 s of compiling): the kernels that skip blocks."""
-    import fewclip.attention as A
+    import fewclip.backbones.attention as A
 
     if not A.flex_available(torch.device("cpu")):
         pytest.skip("no C++ compiler for inductor's CPU kernels")
@@ -343,7 +343,7 @@ def test_compiled_flex_on_the_cpu_equals_the_mask_path():
 
 def test_exported_prompts_rebuild_the_windowed_backbone(tmp_path):
     from fewclip.adapters.coop_export import export_prompts
-    from fewclip.export import load_prompts
+    from fewclip.adapter.exports import load_prompts
 
     cfg = backbone_config_from_dict({"name": "toy-clip", "device": "cpu", "local_attention": {
         "text": {"window": 2}, "vision": {"window": 1, "shape": "grid"}}})

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from open_clip.zero_shot_classifier import build_zero_shot_classifier
 from safetensors.torch import load_file, save_file
 
-from fewclip.backbones import (
+from fewclip.backbones.backbone import (
     BackboneConfig,
     BackboneError,
     load_backbone,
@@ -20,9 +20,9 @@ from fewclip.backbones import (
     sha256_file,
     shipped_cards,
 )
-from fewclip.config import load_config
-from fewclip.features import text_prototypes
-from fewclip.tokenizer import WordTokenizer
+from fewclip.config.compose import load_config
+from fewclip.features.encode import text_prototypes
+from fewclip.backbones.tokenizer import WordTokenizer
 
 CLASSNAMES = ["cat", "dog", "golden retriever"]
 TEMPLATES = ["a photo of a {}.", "a drawing of the {}.", "itap of a {}."]

@@ -15,9 +15,9 @@ from fewclip.adapters.taskres import TaskRes, TaskResConfig
 from fewclip.adapters.tip_adapter import TipAdapter, TipAdapterConfig
 from fewclip.adapters.tip_adapter_f import TipAdapterF, TipAdapterFConfig
 from fewclip.datasets import Item
-from fewclip.engine import FitData, TrainConfig
-from fewclip.features import Features, text_prototypes
-from fewclip.geometry import GEOMETRIES, exp_map0, l2_normalize, lorentz_time, make_geometry
+from fewclip.train.engine import FitData, TrainConfig
+from fewclip.features.encode import Features, text_prototypes
+from fewclip.backbones.geometry import GEOMETRIES, exp_map0, l2_normalize, lorentz_time, make_geometry
 from test_coop import CARD_GEOMETRIES, SIGLIP_TEXT, backbone, cards, image_features  # noqa: F401  (cards: fixture)
 
 TOY = ["toy-clip", "toy-euclip", "toy-meru", "toy-siglip"]  # clip, euclidean_sq, hyperbolic, sigmoid
@@ -224,8 +224,8 @@ CHOICES = {  # method -> (quick settings, what it chooses)
 
 @pytest.mark.parametrize("name", sorted(CHOICES))
 def test_every_choice_stays_the_same_when_the_test_labels_change(name, shapes, tmp_path):
-    from fewclip.backbones import BackboneConfig, load_backbone
-    from fewclip.run import load_train_config, run_train
+    from fewclip.backbones.backbone import BackboneConfig, load_backbone
+    from fewclip.runs.run import load_train_config, run_train
 
     bb = load_backbone(BackboneConfig(name="toy-clip", device="cpu"))
     settings, chosen = CHOICES[name]

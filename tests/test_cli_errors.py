@@ -1,6 +1,6 @@
 """Every error a user can cause: one message naming the problem and the fix, a non-zero exit code, never a
-trace. The CLI is driven over a table of bad inputs in-process (fewclip.cli.main) and, for a few, as a
-subprocess (`python -m fewclip.cli`), where an uncaught exception would print its trace."""
+trace. The CLI is driven over a table of bad inputs in-process (fewclip.cli.main.main) and, for a few, as a
+subprocess (`python -m fewclip.cli.main`), where an uncaught exception would print its trace."""
 import errno
 import json
 import os
@@ -15,8 +15,8 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fewclip.cli import main
-from fewclip.export import METADATA_KEY, export_run
+from fewclip.cli.main import main
+from fewclip.adapter.exports import METADATA_KEY, export_run
 
 TINY = ["data.max_test=8", "backbone.device=cpu"]
 TRAIN = ["train", "adapter=coop", "data=toy-shapes", "shots=1", "seed=1", "train.epochs=1", "train.augment_views=1",
@@ -173,12 +173,12 @@ def test_debug_shows_the_trace(files, capsys, monkeypatch):
 
 
 def test_disk_full_while_writing_the_adapter(tmp_path, capsys, monkeypatch):
-    import fewclip.run
+    import fewclip.runs.run
 
     def full(*args, **kwargs):  # what safetensors raises when the disk is full
         raise Exception("Error while serializing: I/O error: No space left on device (os error 28)")
 
-    monkeypatch.setattr(fewclip.run, "save_file", full)
+    monkeypatch.setattr(fewclip.runs.run, "save_file", full)
     out = tmp_path / "run"
     assert main([*TRAIN, f"out={out}"]) == 1
     err = capsys.readouterr().err
@@ -223,7 +223,7 @@ def fewclip_subprocess(args, cwd, limit_bytes=None):
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit_bytes, resource.RLIM_INFINITY))
 
     env = {**os.environ, "FEWCLIP_DEBUG": "0"}
-    return subprocess.Popen([sys.executable, "-m", "fewclip.cli", *args], cwd=cwd, env=env, text=True,
+    return subprocess.Popen([sys.executable, "-m", "fewclip.cli.main", *args], cwd=cwd, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=limit if limit_bytes else None)
 
 

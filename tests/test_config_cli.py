@@ -4,10 +4,10 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from fewclip.backbones import shipped_cards
-from fewclip.cli import main
-from fewclip.config import ConfigError, RunConfig, load_config, split_args
-from fewclip.run import load_train_config
+from fewclip.backbones.backbone import shipped_cards
+from fewclip.cli.main import main
+from fewclip.config.compose import ConfigError, RunConfig, load_config, split_args
+from fewclip.runs.run import load_train_config
 
 
 # ---------------------------------------------------------------- config

@@ -12,8 +12,8 @@ from safetensors.torch import save_file
 
 from fewclip.adapters import ADAPTERS, build_adapter
 from fewclip.adapters.coop import CoOp, CoOpConfig
-from fewclip.backbones import BackboneConfig, build_open_clip_model, load_backbone
-from fewclip.features import text_prototypes
+from fewclip.backbones.backbone import BackboneConfig, build_open_clip_model, load_backbone
+from fewclip.features.encode import text_prototypes
 
 POSITIONS = ["end", "middle", "front"]
 TOY_BACKBONES = ["toy-clip", "toy-euclip", "toy-meru", "toy-siglip"]  # clip, euclidean_sq, hyperbolic, sigmoid

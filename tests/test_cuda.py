@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from fewclip.adapters import ADAPTERS, adapter_info, build_adapter
-from fewclip.backbones import BackboneConfig, load_backbone
-from fewclip.cli import main
-from fewclip.compiled import compile_text_step, uncompile_text_step
-from fewclip.engine import CachedFeatures, FitData, TrainConfig, amp_autocast, train_loop
-from fewclip.features import FeatureCache, Features
-from fewclip.store import FeatureStore
+from fewclip.backbones.backbone import BackboneConfig, load_backbone
+from fewclip.cli.main import main
+from fewclip.train.compiled import compile_text_step, uncompile_text_step
+from fewclip.train.engine import CachedFeatures, FitData, TrainConfig, amp_autocast, train_loop
+from fewclip.features.encode import FeatureCache, Features
+from fewclip.features.store import FeatureStore
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.py)")]

@@ -7,7 +7,7 @@ import pytest
 from PIL import Image
 
 import fewclip.datasets.benchmarks as benchmarks
-from fewclip.data import DATASETS, DataConfig, DatasetError, Item, build_dataset
+from fewclip.data.base import DATASETS, DataConfig, DatasetError, Item, build_dataset
 from fewclip.datasets.folder import LAYOUT, split_counts
 
 BENCHMARK_NAMES = [
@@ -413,7 +413,7 @@ def test_imagenet_a_and_r_map_their_subset_onto_imagenet(tmp_path, name, dataset
     assert _label_counts(ds.items("test")) == {0: 2, 1: 2}
     assert ds.items("test")[2] == Item("n01491361/0.jpg", 1)
     # its classes are ImageNet's labels 1 and 3 (the index among ImageNet's sorted wnids)
-    from fewclip.protocols import class_map
+    from fewclip.data.protocols import class_map
 
     imagenet = _build("imagenet", tmp_path)
     assert class_map(imagenet, ds) == [1, 3]

@@ -15,9 +15,9 @@ from fewclip.adapters._text import TextTower
 from fewclip.adapters.ivlp import IVLP, IVLPConfig
 from fewclip.adapters.maple import MaPLe, MaPLeConfig
 from fewclip.adapters.promptsrc import PromptSRC, PromptSRCConfig, imagenet60_templates
-from fewclip.attention import Window
-from fewclip.backbones import backbone_config_from_dict, load_backbone
-from fewclip.features import text_prototypes
+from fewclip.backbones.attention import Window
+from fewclip.backbones.backbone import backbone_config_from_dict, load_backbone
+from fewclip.features.encode import text_prototypes
 from test_coop import CARD_GEOMETRIES, SHAPES, tiny_model_config, write_card
 
 CLASSNAMES = ["cat", "dog", "golden retriever"]
@@ -403,8 +403,8 @@ def test_gpa_loads_the_weighted_sum_after_the_last_epoch():
 
 def test_engine_gives_promptsrc_the_frozen_features_of_the_same_view(shapes, tmp_path):
     from fewclip.datasets import make_few_shot_split
-    from fewclip.engine import FreshImages, RunFeatures, TrainConfig
-    from fewclip.features import FeatureCache
+    from fewclip.train.engine import FreshImages, RunFeatures, TrainConfig
+    from fewclip.features.encode import FeatureCache
 
     bb = load("toy-clip")
     split = make_few_shot_split(shapes, 1, seed=2)
@@ -429,7 +429,7 @@ def test_engine_gives_promptsrc_the_frozen_features_of_the_same_view(shapes, tmp
 
 @pytest.mark.parametrize("method", ["ivlp", "maple", "promptsrc"])
 def test_train_command_runs_each_method(method, tmp_path):
-    from fewclip.run import load_train_config, run_train
+    from fewclip.runs.run import load_train_config, run_train
 
     select = "val" if method == "maple" else "last"  # validation through the prompted tower, every epoch
     cfg = load_train_config([f"adapter={method}", "data=toy-colours", "shots=1", "seed=1", "train.epochs=2",

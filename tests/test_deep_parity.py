@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from fewclip.adapters.ivlp import IVLP, IVLPConfig
 from fewclip.adapters.maple import MaPLe, MaPLeConfig
 from fewclip.adapters.promptsrc import PromptSRC, PromptSRCConfig
-from fewclip.backbones import OPENAI_EXTRA_KEYS, Backbone
-from fewclip.geometry import make_geometry
+from fewclip.backbones.backbone import OPENAI_EXTRA_KEYS, Backbone
+from fewclip.backbones.geometry import make_geometry
 from tiny_clip import state_sha256, tiny_images, tiny_openai_state_dict
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deep_ref"

@@ -8,13 +8,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import fewclip.evals
-import fewclip.sweep
-from fewclip.cli import main
-from fewclip.config import ConfigError
-from fewclip.engine import COOP_EPOCHS, TrainConfig, cosine_lr, epochs_for
-from fewclip.sweep import load_sweep_config, plan_sweep
-from fewclip.run import load_train_config
+import fewclip.train.evals
+import fewclip.runs.sweep
+from fewclip.cli.main import main
+from fewclip.config.compose import ConfigError
+from fewclip.train.engine import COOP_EPOCHS, TrainConfig, cosine_lr, epochs_for
+from fewclip.runs.sweep import load_sweep_config, plan_sweep
+from fewclip.runs.run import load_train_config
 
 TRAIN = ["train", "adapter=coop", "data=toy-shapes", "shots=1", "seed=1", "train.epochs=3", "adapter.n_ctx=4",
          "data.max_test=40"]
@@ -131,7 +131,7 @@ def test_interrupted_run_leaves_no_metrics(tmp_path, monkeypatch, capsys):
         calls.append(1)
         raise RuntimeError("power cut")
 
-    monkeypatch.setattr(fewclip.evals, "evaluate", broken)
+    monkeypatch.setattr(fewclip.train.evals, "evaluate", broken)
     out = tmp_path / "run"
     assert main([*TRAIN, f"out={out}"]) == 1  # an unexpected error: one message, no trace
     err = capsys.readouterr().err
@@ -144,7 +144,7 @@ def test_interrupted_run_leaves_no_metrics(tmp_path, monkeypatch, capsys):
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(fewclip.evals, "evaluate", interrupt)
+    monkeypatch.setattr(fewclip.train.evals, "evaluate", interrupt)
     assert main([*TRAIN, f"out={out}"]) == 130
     assert "interrupted" in capsys.readouterr().err
     assert not (out / "metrics.json").exists() and not leftovers(out)
@@ -257,7 +257,7 @@ def test_crop_box_draws_what_torchvision_draws():
     from PIL import Image
     from torchvision.transforms import RandomResizedCrop
 
-    from fewclip.features import crop_box
+    from fewclip.features.encode import crop_box
 
     image = Image.new("RGB", (40, 30))
     for seed in range(20):
@@ -269,8 +269,8 @@ def test_crop_box_draws_what_torchvision_draws():
 
 
 def test_a_view_is_a_function_of_seed_index_and_image(shapes):
-    from fewclip.backbones import BackboneConfig, load_backbone
-    from fewclip.features import Augment, View
+    from fewclip.backbones.backbone import BackboneConfig, load_backbone
+    from fewclip.features.encode import Augment, View
 
     bb = load_backbone(BackboneConfig(name="toy-clip", device="cpu"))
     aug = Augment.for_run(bb, shapes)
@@ -316,8 +316,8 @@ def test_unaugmented_training_and_cost_record(tmp_path):
 def test_a_run_leaves_the_global_rng_alone(tmp_path, shapes):
     """Library code never reseeds torch's global RNG: CoOp's init and LoRA's init and dropout draw from the run's
     generator (LoRA's through a fork of the global RNG), and the run is still deterministic."""
-    from fewclip.backbones import load_backbone
-    from fewclip.run import run_train
+    from fewclip.backbones.backbone import load_backbone
+    from fewclip.runs.run import run_train
 
     backbone = None
     metrics = []
@@ -338,7 +338,7 @@ def test_a_run_leaves_the_global_rng_alone(tmp_path, shapes):
 
 
 def test_make_optimizer():
-    from fewclip.engine import make_optimizer
+    from fewclip.train.engine import make_optimizer
 
     p = [torch.nn.Parameter(torch.zeros(2))]
     sgd = make_optimizer(p, TrainConfig(lr=0.1, momentum=0.8, weight_decay=0.01))
@@ -352,9 +352,9 @@ def test_make_optimizer():
 def test_zeroshot_is_an_adapter_and_every_run_scores_the_same_test_subset(tmp_path, shapes):
     """`fewclip zeroshot` is a run of the zeroshot adapter (no split, no tensors); whatever the seed, it scores
     the test subset every run scores (TEST_SUBSET_SEED), with score_zeroshot's numbers."""
-    from fewclip.backbones import BackboneConfig, load_backbone
-    from fewclip.run import score_zeroshot
-    from fewclip.splits import TEST_SUBSET_SEED, test_items
+    from fewclip.backbones.backbone import BackboneConfig, load_backbone
+    from fewclip.runs.run import score_zeroshot
+    from fewclip.data.splits import TEST_SUBSET_SEED, test_items
 
     got = {}
     for seed in (1, 5):

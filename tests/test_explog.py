@@ -1,4 +1,4 @@
-"""Experiment logging (fewclip.explog): TensorBoard's event files and W&B's offline runs read back and checked
+"""Experiment logging (fewclip.utils.explog): TensorBoard's event files and W&B's offline runs read back and checked
 against the run's metrics.json; one run per sweep cell, grouped by the sweep; a failing logger never stops a
 run; a missing library is a one-line error before any work."""
 import json
@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from fewclip.cli import main
-from fewclip.config import ConfigError
-from fewclip.engine import cosine_lr
-from fewclip.explog import LogConfig, WandbConfig, final_scalars, for_sweep_cell, wandb_mode
-from fewclip.run import load_train_config, run_train
-from fewclip.sweep import load_sweep_config
+from fewclip.cli.main import main
+from fewclip.config.compose import ConfigError
+from fewclip.train.engine import cosine_lr
+from fewclip.utils.explog import LogConfig, WandbConfig, final_scalars, for_sweep_cell, wandb_mode
+from fewclip.runs.run import load_train_config, run_train
+from fewclip.runs.sweep import load_sweep_config
 from wandb_offline import offline_runs
 
 # 2 shots x 8 classes in batches of 4: 4 steps per epoch, 3 epochs; validation scored every epoch
@@ -197,7 +197,7 @@ def test_sweep_cells_are_runs_grouped_by_the_sweep(tmp_path):
 
 
 def _warnings(caplog):
-    return [r for r in caplog.records if r.name == "fewclip.explog" and r.levelno >= logging.WARNING]
+    return [r for r in caplog.records if r.name == "fewclip.utils.explog" and r.levelno >= logging.WARNING]
 
 
 def test_a_failing_writer_gives_one_warning_and_the_run_finishes(tmp_path, monkeypatch, caplog):

@@ -10,12 +10,12 @@ from safetensors.torch import load_file, save_file
 
 import fewclip
 from fewclip.adapters import build_adapter
-from fewclip.backbones import BackboneConfig, load_backbone
-from fewclip.cli import main
+from fewclip.backbones.backbone import BackboneConfig, load_backbone
+from fewclip.cli.main import main
 from fewclip.datasets import DataConfig, build_dataset, read_split
 from fewclip.adapters.coop_export import FORMAT_VERSION, read_prompts
-from fewclip.export import METADATA_KEY, ExportError, backbone_identity, check_backbone, export_run, load_prompts
-from fewclip.run import load_train_config
+from fewclip.adapter.exports import METADATA_KEY, ExportError, backbone_identity, check_backbone, export_run, load_prompts
+from fewclip.runs.run import load_train_config
 
 N_CTX, K = 4, 3
 

@@ -5,8 +5,8 @@ from collections import Counter
 
 import pytest
 
-from fewclip.data import Dataset, DatasetError, Item
-from fewclip.splits import (
+from fewclip.data.base import Dataset, DatasetError, Item
+from fewclip.data.splits import (
     FewShotSplit,
     make_few_shot_split,
     read_split,

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from fewclip.adapter import ADAPTERS
-from fewclip.config import ConfigError
-from fewclip.data import DATASETS
-from fewclip.geometry import GEOMETRIES
-from fewclip.importer import FORMATS
-from fewclip.launch import LAUNCHERS
-from fewclip.registry import PluginError, Registry, UnknownNameError
-from fewclip.sweep import load_sweep_config
+from fewclip.adapter.base import ADAPTERS
+from fewclip.config.compose import ConfigError
+from fewclip.data.base import DATASETS
+from fewclip.backbones.geometry import GEOMETRIES
+from fewclip.backbones.importer import FORMATS
+from fewclip.runs.launch import LAUNCHERS
+from fewclip.utils.registry import PluginError, Registry, UnknownNameError
+from fewclip.runs.sweep import load_sweep_config
 
 ROOT = Path(__file__).resolve().parents[1]
 # The installed names of the repository's folders (pyproject's package-dir).
@@ -154,7 +154,7 @@ def test_help_comes_from_the_dataclasses_and_the_top_level_help_loads_no_torch()
     out = subprocess.run([str(fewclip), "train", "--help"], capture_output=True, text=True, check=True).stdout
     assert "n_ctx: 16  # Number of context vectors" in out  # CoOpConfig's field metadata
     assert "epochs: null  # null = CoOp's schedule by shots" in out  # TrainConfig's
-    code = "import sys, fewclip.cli; fewclip.cli.main(['--help']); print('torch' in sys.modules)"
+    code = "import sys, fewclip.cli.main; fewclip.cli.main.main(['--help']); print('torch' in sys.modules)"
     light = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert light.strip().endswith("False")
 
@@ -194,7 +194,7 @@ def test_long_work_without_a_terminal_is_never_silent(tmp_path):
 
 
 def test_a_sweep_s_time_to_go_is_learnt_from_the_runs_done():
-    from fewclip.launch.progress import time_to_go
+    from fewclip.runs.launch.progress import time_to_go
 
     assert time_to_go(["coop"] * 3, {}, 0.0, 5.0) != time_to_go(["coop"] * 3, {}, 0.0, 5.0)  # nan: no evidence yet
     walls = {"zeroshot": [1.0], "coop": [10.0, 14.0]}
@@ -216,7 +216,7 @@ def _dist(tmp_path, name: str, group: str, entry: str, module: str, source: str)
 
 
 GEOMETRY_PLUGIN = '''
-from fewclip.geometry import CLIPGeometry, register_geometry
+from fewclip.backbones.geometry import CLIPGeometry, register_geometry
 
 
 @register_geometry
@@ -232,8 +232,8 @@ class DoubledCosine(CLIPGeometry):
 LAUNCHER_PLUGIN = '''
 from dataclasses import dataclass, field
 
-from fewclip.launch import Launcher, LauncherConfig, register_launcher
-from fewclip.launch.worker import execute_run
+from fewclip.runs.launch import Launcher, LauncherConfig, register_launcher
+from fewclip.runs.launch.worker import execute_run
 
 
 @dataclass
@@ -256,8 +256,8 @@ def test_a_geometry_and_a_launcher_from_outside(tmp_path, monkeypatch, capsys):
     points, builds the geometry by name and runs a sweep with the launcher, with no edit to fewclip."""
     import torch
 
-    from fewclip.cli import main
-    from fewclip.geometry import make_geometry
+    from fewclip.cli.main import main
+    from fewclip.backbones.geometry import make_geometry
 
     _dist(tmp_path, "doubled-geometry", "fewclip.geometries", "doubled_cosine", "fc_test_geometry", GEOMETRY_PLUGIN)
     _dist(tmp_path, "reversed-launcher", "fewclip.launchers", "reversed", "fc_test_launcher", LAUNCHER_PLUGIN)

@@ -16,11 +16,11 @@ from fewclip.adapters.gda import GDA, GDAConfig
 from fewclip.adapters._cache import self_similarity
 from fewclip.adapters.proker import ProKeR, ProKeRConfig, grid, kernel, solve_cg, solve_direct, tile_dtype
 from fewclip.adapters.prolip import ProLIP, ProLIPConfig
-from fewclip.backbones import BackboneError
-from fewclip.engine import FitData, NonFiniteError, TrainConfig
-from fewclip.features import FeatureCache, Features
-from fewclip.store import FeatureStore
-from fewclip.geometry import make_geometry
+from fewclip.backbones.backbone import BackboneError
+from fewclip.train.engine import FitData, NonFiniteError, TrainConfig
+from fewclip.features.encode import FeatureCache, Features
+from fewclip.features.store import FeatureStore
+from fewclip.backbones.geometry import make_geometry
 from test_cache_methods import EVERY, NAMES, PARAMS, TEMPLATES, TableBackbone, zero_shot
 from test_cache_parity import FeatureBackbone, authors_config
 from test_coop import backbone, cards, image_features  # noqa: F401  (cards: fixture)

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from fewclip import geometry as G
-from fewclip.geometry import GEOMETRIES, make_geometry
+from fewclip.backbones import geometry as G
+from fewclip.backbones.geometry import GEOMETRIES, make_geometry
 
 f64 = torch.float64
 

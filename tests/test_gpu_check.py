@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fewclip.backbones import BackboneConfig, load_backbone
+from fewclip.backbones.backbone import BackboneConfig, load_backbone
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))

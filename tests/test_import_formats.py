@@ -19,11 +19,11 @@ from safetensors.torch import load_file
 from checkpoint_layouts import (CLASSNAMES, MERU_IMPORT_OPTIONS, TEMPLATES, euclip_model_config, meru_checkpoint,
                                 open_clip_train_checkpoint, openai_archive, tiny_euclip_state_dict, tiny_images,
                                 tiny_meru_state_dict, tiny_openai_fp16)
-from fewclip.backbones import BackboneError
-from fewclip.cli import main
-from fewclip.features import text_prototypes
-from fewclip.importer import FORMATS, CheckpointImportError, import_checkpoint
-from fewclip.formats.open_clip import resolve_model
+from fewclip.backbones.backbone import BackboneError
+from fewclip.cli.main import main
+from fewclip.features.encode import text_prototypes
+from fewclip.backbones.importer import FORMATS, CheckpointImportError, import_checkpoint
+from fewclip.backbones.formats.open_clip import resolve_model
 from tiny_clip import state_sha256
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -51,7 +51,7 @@ def assert_matches(logits: torch.Tensor, reference, tol: float = TOL) -> float:
 
 def test_every_format_is_registered():
     assert {"meru", "hycoclip", "euclip", "openai", "open_clip"} <= set(FORMATS)
-    assert FORMATS["hycoclip"].read is FORMATS["meru"].read  # the same files (see fewclip/formats/meru.py)
+    assert FORMATS["hycoclip"].read is FORMATS["meru"].read  # the same files (see fewclip/backbones/formats/meru.py)
 
 
 # ---------------------------------------------------------------- MERU and HyCoCLIP
@@ -117,8 +117,8 @@ def test_a_wrong_head_count_changes_the_logits(tmp_path):
 
 def test_meru_vit_s_is_mocov3_with_12_heads_and_eps_1e5():
     """MERU's vit_small_mocov3_patch16_224 (12 heads), not timm's vit_small_patch16_224 (6 heads)."""
-    from fewclip.formats.meru import _timm_vit
-    from fewclip.towers import TimmImageTower
+    from fewclip.backbones.formats.meru import _timm_vit
+    from fewclip.backbones.towers import TimmImageTower
 
     name, kwargs = _timm_vit("vit_small_mocov3_patch16_224", {})
     tower = TimmImageTower({"timm_model": name, "timm_kwargs": kwargs, "norm_eps": 1e-5, "image_size": 224}, 512)
@@ -279,8 +279,8 @@ def test_import_command_writes_a_card_folder_that_every_command_takes(tmp_path, 
 
 def test_open_clip_preprocessing_is_asked_for_where_published_weights_differ():
     """SigLIP's webli weights squash the image and use mean/std 0.5; a file does not say it holds them."""
-    from fewclip.formats.open_clip import preprocess
-    from fewclip.preprocess import PreprocessConfig
+    from fewclip.backbones.formats.open_clip import preprocess
+    from fewclip.backbones.preprocess import PreprocessConfig
 
     with pytest.raises(CheckpointImportError, match=r"ViT-B-16-SigLIP are preprocessed otherwise \(webli: resize_mode "
                                                     r"squash, mean \[0.5, 0.5, 0.5\].*pretrained=TAG"):

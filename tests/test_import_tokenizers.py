@@ -18,10 +18,10 @@ from safetensors.torch import save_file
 
 from checkpoint_layouts import CLASSNAMES, TEMPLATES, open_clip_train_checkpoint
 from fewclip.adapters.coop import CoOp, CoOpConfig
-from fewclip.backbones import BackboneConfig, BackboneError, build_open_clip_model, load_backbone
-from fewclip.cli import main
-from fewclip.features import text_prototypes
-from fewclip.importer import CheckpointImportError, import_checkpoint
+from fewclip.backbones.backbone import BackboneConfig, BackboneError, build_open_clip_model, load_backbone
+from fewclip.cli.main import main
+from fewclip.features.encode import text_prototypes
+from fewclip.backbones.importer import CheckpointImportError, import_checkpoint
 
 HUB_ID = "fewclip-test/tokenizer-on-no-machine"
 WORDS = sorted({w for t in TEMPLATES for c in CLASSNAMES for w in t.format(c).replace(".", "").split()})
@@ -71,7 +71,7 @@ def test_a_missing_tokenizer_is_a_clear_error_in_seconds_before_the_model(card, 
     def no_model(*a, **k):
         raise AssertionError("the model was built before the tokenizer was found")
 
-    monkeypatch.setattr("fewclip.backbones.build_open_clip_model", no_model)
+    monkeypatch.setattr("fewclip.backbones.backbone.build_open_clip_model", no_model)
     start = time.monotonic()
     with pytest.raises(BackboneError) as e:
         load_backbone(BackboneConfig(name=str(card), device="cpu"))

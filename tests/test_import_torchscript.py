@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fewclip.backbones import load_weights_file
-from fewclip.torchscript import TorchScriptError, archive_prefix, read_torchscript_state_dict
+from fewclip.backbones.backbone import load_weights_file
+from fewclip.backbones.torchscript import TorchScriptError, archive_prefix, read_torchscript_state_dict
 
 
 class Tiny(nn.Module):

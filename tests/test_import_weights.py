@@ -22,13 +22,13 @@ from safetensors.torch import save_file
 import checkpoint_layouts
 from checkpoint_layouts import (MERU_IMPORT_OPTIONS, meru_checkpoint, open_clip_train_checkpoint, openai_archive,
                                 tiny_euclip_state_dict, tiny_meru_state_dict, tiny_openai_fp16)
-from fewclip import fingerprints
-from fewclip.backbones import BackboneConfig, BackboneError, build_open_clip_model, load_backbone, load_weights_file
-from fewclip.cli import main
-from fewclip.importer import CheckpointImportError, import_checkpoint
-from fewclip.formats.openai import openai_model_config
-from fewclip.preprocess import PreprocessConfig
-from fewclip.tokenizer import TokenizerNotFound, load_hf_tokenizer
+from fewclip.backbones import fingerprints
+from fewclip.backbones.backbone import BackboneConfig, BackboneError, build_open_clip_model, load_backbone, load_weights_file
+from fewclip.cli.main import main
+from fewclip.backbones.importer import CheckpointImportError, import_checkpoint
+from fewclip.backbones.formats.openai import openai_model_config
+from fewclip.backbones.preprocess import PreprocessConfig
+from fewclip.backbones.tokenizer import TokenizerNotFound, load_hf_tokenizer
 
 TINY = {"embed_dim": 16,
         "vision_cfg": {"image_size": 32, "patch_size": 16, "width": 32, "layers": 1, "head_width": 16},
@@ -149,7 +149,7 @@ def test_a_tag_is_loaded_with_its_preprocessing_and_its_activation(arch, monkeyp
 
 def test_the_preprocessing_is_part_of_the_feature_store_address(tmp_path):
     from fewclip.datasets import DataConfig, build_dataset
-    from fewclip.store import FeatureStore, address
+    from fewclip.features.store import FeatureStore, address
 
     data = build_dataset(DataConfig(name="toy-shapes"))
     store = FeatureStore(tmp_path / "store")
@@ -280,7 +280,7 @@ def test_timms_vit_s_for_a_meru_file_names_the_authors_arch(meru_vit_s, tmp_path
 
 
 def test_the_authors_vit_table():
-    from fewclip.formats.meru import AUTHORS_VITS, _timm_heads, _timm_vit
+    from fewclip.backbones.formats.meru import AUTHORS_VITS, _timm_heads, _timm_vit
 
     for width, (arch, heads, eps) in AUTHORS_VITS.items():
         name, kwargs = _timm_vit(arch, {})
@@ -289,7 +289,7 @@ def test_the_authors_vit_table():
 
 
 def test_a_known_meru_fingerprint_holds_the_heads_too(meru_vit_s, tmp_path, monkeypatch):
-    from fewclip.formats.meru import _state_dict
+    from fewclip.backbones.formats.meru import _state_dict
 
     entry = fingerprints.KnownWeights("MERU ViT-S", "vit_small_mocov3_patch16_224", num_heads=12,
                                       fingerprint=fingerprints.fingerprint(_state_dict(meru_vit_s)))
@@ -366,7 +366,7 @@ HUB_ID = "fewclip-test/spm-tokenizer"
 
 
 def test_a_sentencepiece_folder_without_sentencepiece_names_the_pip_command(tmp_path, monkeypatch):
-    monkeypatch.setattr("fewclip.tokenizer._has_sentencepiece", lambda: False)
+    monkeypatch.setattr("fewclip.backbones.tokenizer._has_sentencepiece", lambda: False)
     (tmp_path / "tok").mkdir()
     (tmp_path / "tok" / "spiece.model").write_bytes(b"\x00" * 16)
     with pytest.raises(TokenizerNotFound, match=r"spiece.model\) and no tokenizer.json.*pip install sentencepiece"):
@@ -389,7 +389,7 @@ def _cache_snapshot(root: Path, hub_id: str, files) -> Path:
 
 
 def test_the_cache_route_checks_the_files_the_tokenizer_needs(tmp_path, monkeypatch):
-    monkeypatch.setattr("fewclip.tokenizer._has_sentencepiece", lambda: False)
+    monkeypatch.setattr("fewclip.backbones.tokenizer._has_sentencepiece", lambda: False)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub"))
     _cache_snapshot(tmp_path / "hub", HUB_ID, ["spiece.model", "tokenizer_config.json"])
@@ -472,7 +472,7 @@ def test_saturated_templates():
     """MERU's zero-shot evaluator: exp_map0(alpha * mean_t(raw_t)); fewclip: exp_map0(mean_t(log_map0(exp_map0(
     alpha * raw_t)))). Equal below the cap of MERU's exp_map0 (sqrt(c) alpha |x| <= asinh(2^15)); beyond it fewclip
     averages the points the model puts the templates at (README, "Bring your own checkpoint")."""
-    from fewclip.geometry import make_geometry
+    from fewclip.backbones.geometry import make_geometry
 
     c, alpha = 0.5, 0.4
     geo = make_geometry("hyperbolic", logit_scale=10.0, curvature=c, alpha_image=1.0, alpha_text=alpha)

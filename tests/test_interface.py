@@ -12,10 +12,10 @@ from safetensors import safe_open
 
 import fewclip
 from fewclip.adapters import ADAPTERS, EXPORT_FORMATS, Adapter, AdapterConfig, ExportFormat, register_adapter
-from fewclip.cli import main
-from fewclip.engine import CachedFeatures, train_loop
-from fewclip.export import METADATA_KEY, ExportError, PrototypeClassifier, export_run
-from fewclip.features import FeatureCache, text_prototypes
+from fewclip.cli.main import main
+from fewclip.train.engine import CachedFeatures, train_loop
+from fewclip.adapter.exports import METADATA_KEY, ExportError, PrototypeClassifier, export_run
+from fewclip.features.encode import FeatureCache, text_prototypes
 
 FIXTURES = Path(__file__).parent / "fixtures"
 RUN = ["data=toy-shapes", "shots=1", "seed=1", "data.max_test=16", "backbone.device=cpu"]
@@ -160,8 +160,8 @@ class Views(Bias):
 
 
 def test_fit_style_methods_get_the_views_they_ask_for_shared_across_runs(registered, tmp_path, shapes):
-    from fewclip.backbones import BackboneConfig, load_backbone
-    from fewclip.run import load_train_config, run_train
+    from fewclip.backbones.backbone import BackboneConfig, load_backbone
+    from fewclip.runs.run import load_train_config, run_train
 
     registered("test_views", ViewsConfig, Views)
     bb = load_backbone(BackboneConfig(name="toy-clip", device="cpu"))
@@ -217,9 +217,9 @@ class Hooked(Bias):
 
 
 def test_the_loop_calls_the_adapters_loss_backward_and_epoch_hooks(shapes):
-    from fewclip.backbones import BackboneConfig, load_backbone
-    from fewclip.engine import TrainConfig
-    from fewclip.features import Features
+    from fewclip.backbones.backbone import BackboneConfig, load_backbone
+    from fewclip.train.engine import TrainConfig
+    from fewclip.features.encode import Features
 
     bb = load_backbone(BackboneConfig(name="toy-clip", device="cpu"))
     names = shapes.classnames
@@ -248,7 +248,7 @@ def test_the_loop_calls_the_adapters_loss_backward_and_epoch_hooks(shapes):
 
 def test_for_classnames_default_is_the_adapter_itself_or_an_error(shapes):
     from fewclip.adapters import AdapterError
-    from fewclip.backbones import BackboneConfig, load_backbone
+    from fewclip.backbones.backbone import BackboneConfig, load_backbone
 
     bb = load_backbone(BackboneConfig(name="toy-clip", device="cpu"))
     a = Bias(BiasConfig(), bb, shapes.classnames, ["a photo of a {}."])

@@ -3,7 +3,7 @@ feature store they share; failed runs that do not stop a sweep.
 
 Every launcher runs the same run function into the same out directory, so whichever executes a sweep, and
 however it is interrupted, the report's accuracy tables equal those of the same sweep run in one process
-(`reference`). A request's features are the same bits whoever encodes it (fewclip.store), which is what
+(`reference`). A request's features are the same bits whoever encodes it (fewclip.features.store), which is what
 makes that exact."""
 import json
 import os
@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fewclip import locks, records
-from fewclip.cli import main
+from fewclip.runs import records
+from fewclip.utils import locks
+from fewclip.cli.main import main
 
 SWEEP = """\
 sweep:
@@ -177,9 +178,9 @@ def test_slurm_dry_run_prints_the_submission_and_submits_nothing(spec, tmp_path,
 def test_the_dry_run_shows_what_submitit_submits(spec, tmp_path, monkeypatch):
     """With stand-ins for srun and sbatch on PATH, submitit's own SlurmExecutor submits the array: the script
     it hands to sbatch is the one the dry run printed."""
-    from fewclip.launch import slurm
-    from fewclip.launch.worker import run_many
-    from fewclip.sweep import load_sweep_config
+    from fewclip.runs.launch import slurm
+    from fewclip.runs.launch.worker import run_many
+    from fewclip.runs.sweep import load_sweep_config
 
     bin_dir, captured = tmp_path / "bin", tmp_path / "submitted.sh"
     bin_dir.mkdir()
@@ -204,18 +205,18 @@ def test_two_launchers_on_one_out_directory_do_each_run_once(spec, reference, tm
     out directory: every run is done once, by one of them, and the numbers are the reference's."""
     out = tmp_path / "out"
     env = {**os.environ, "FEWCLIP_DEBUG": "0"}
-    cmd = [sys.executable, "-m", "fewclip.cli", "sweep", str(spec), f"out={out}", "report=false"]
+    cmd = [sys.executable, "-m", "fewclip.cli.main", "sweep", str(spec), f"out={out}", "report=false"]
     procs = [subprocess.Popen([*cmd, "launcher.workers=2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, env=env),
              subprocess.Popen([*cmd, "launcher=slurm", "launcher.cluster=local", "launcher.runs_per_task=5"],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)]
     logs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(logs)[-4000:]
-    ran = [line for text in logs for line in text.splitlines() if "fewclip.launch.progress: [" in line
+    ran = [line for text in logs for line in text.splitlines() if "fewclip.runs.launch.progress: [" in line
            and ": top-1 " in line]  # each launcher's line for a run it ran itself
     assert len(ran) == len(RUNS), "\n".join(ran)
     for r in RUNS:
-        assert (out / r / "run.log").read_text().count("fewclip.launch.worker: run ") == 1  # one attempt
+        assert (out / r / "run.log").read_text().count("fewclip.runs.launch.worker: run ") == 1  # one attempt
     assert main(["report", str(out)]) == 0
     same_numbers(out, reference)
 
@@ -281,8 +282,8 @@ def test_runs_that_train_the_image_tower_get_whole_gpus(shapes):
     from fewclip.adapters.ivlp import IVLPConfig
     from fewclip.adapters.lora import LoRAConfig
     from fewclip.adapters.promptsrc import PromptSRCConfig
-    from fewclip.backbones import BackboneConfig, load_backbone
-    from fewclip.launch import RayConfig, gpus_for
+    from fewclip.backbones.backbone import BackboneConfig, load_backbone
+    from fewclip.runs.launch import RayConfig, gpus_for
 
     bb = load_backbone(BackboneConfig(name="toy-clip", device="cpu"))
     configs = [info.config_cls() for info in ADAPTERS.values()] + [LoRAConfig(towers=t) for t in ("text", "vision")]
@@ -321,9 +322,9 @@ def test_a_second_sweep_encodes_no_image_again(spec, reference, tmp_path, capsys
 
 
 def test_store_addresses_and_requests(tmp_path, shapes, caplog):
-    from fewclip.backbones import BackboneConfig, backbone_config_from_dict, load_backbone
-    from fewclip.features import Augment, FeatureCache, View
-    from fewclip.store import VERSION, FeatureStore
+    from fewclip.backbones.backbone import BackboneConfig, backbone_config_from_dict, load_backbone
+    from fewclip.features.encode import Augment, FeatureCache, View
+    from fewclip.features.store import VERSION, FeatureStore
 
     store = FeatureStore(tmp_path / "store")
     bb = load_backbone(BackboneConfig(name="toy-clip", device="cpu"))

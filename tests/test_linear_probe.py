@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fewclip.adapters.linear_probe  # noqa: F401  (registration)
-from fewclip.adapter import ADAPTERS, build_adapter
+from fewclip.adapter.base import ADAPTERS, build_adapter
 from fewclip.adapters.linear_probe import (
     LinearProbe,
     LinearProbeConfig,
@@ -16,12 +16,12 @@ from fewclip.adapters.linear_probe import (
     probe_features,
     search_log_grid,
 )
-from fewclip.backbones import REFERENCE_DIR, Backbone, BackboneConfig, build_open_clip_model, load_backbone
+from fewclip.backbones.backbone import REFERENCE_DIR, Backbone, BackboneConfig, build_open_clip_model, load_backbone
 from fewclip.datasets import make_few_shot_split
-from fewclip.engine import FitData, TrainConfig
-from fewclip.features import Features, extract_features, text_prototypes
-from fewclip.geometry import GEOMETRIES, make_geometry
-from fewclip.tokenizer import WordTokenizer
+from fewclip.train.engine import FitData, TrainConfig
+from fewclip.features.encode import Features, extract_features, text_prototypes
+from fewclip.backbones.geometry import GEOMETRIES, make_geometry
+from fewclip.backbones.tokenizer import WordTokenizer
 
 f64 = torch.float64
 TOY_BACKBONES = ["toy-clip", "toy-euclip", "toy-meru", "toy-siglip"]

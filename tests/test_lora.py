@@ -9,13 +9,13 @@ from safetensors.torch import load_file
 
 from fewclip.adapters import build_adapter
 from fewclip.adapters.lora import LoRA, LoRAConfig
-from fewclip.attention import SplitAttention
-from fewclip.backbones import backbone_config_from_dict, build_open_clip_model, load_backbone
-from fewclip.config import ConfigError
-from fewclip.engine import TrainConfig, total_steps
-from fewclip.export import load_prompts
-from fewclip.features import text_prototypes
-from fewclip.run import load_train_config, run_train
+from fewclip.backbones.attention import SplitAttention
+from fewclip.backbones.backbone import backbone_config_from_dict, build_open_clip_model, load_backbone
+from fewclip.config.compose import ConfigError
+from fewclip.train.engine import TrainConfig, total_steps
+from fewclip.adapter.exports import load_prompts
+from fewclip.features.encode import text_prototypes
+from fewclip.runs.run import load_train_config, run_train
 from test_coop import CARD_GEOMETRIES, SIGLIP_TEXT, backbone, cards  # noqa: F401  (cards is a fixture)
 
 TOY = ["toy-clip", "toy-euclip", "toy-meru", "toy-siglip"]
@@ -188,8 +188,8 @@ def test_a_run_trains_and_tests_through_the_adapted_image_tower(lora_run):
 
 
 def test_export_both_formats_and_predict(lora_run, tmp_path, shapes):
-    from fewclip.cli import main
-    from fewclip.export import export_run
+    from fewclip.cli.main import main
+    from fewclip.adapter.exports import export_run
 
     out, m = lora_run
     exported = export_run(out, tmp_path / "export", merge=True)
@@ -204,7 +204,7 @@ def test_export_both_formats_and_predict(lora_run, tmp_path, shapes):
     assert peft_sd and all("lora_A" in k or "lora_B" in k for k in peft_sd)
 
     # the merged file is a plain open_clip state dict: strict load into a freshly built open_clip model
-    from fewclip.backbones import _card_model_config, read_card, shipped_cards
+    from fewclip.backbones.backbone import _card_model_config, read_card, shipped_cards
 
     merged = load_file(str(folder / "merged.safetensors"))
     plain = build_open_clip_model(_card_model_config(read_card(shipped_cards()["toy-clip"]))).eval()
@@ -239,8 +239,8 @@ def test_export_both_formats_and_predict(lora_run, tmp_path, shapes):
 
 
 def test_export_refuses_another_backbone(lora_run, tmp_path):
-    from fewclip.export import ExportError
-    from fewclip.export import export_run
+    from fewclip.adapter.exports import ExportError
+    from fewclip.adapter.exports import export_run
 
     out, _ = lora_run
     with pytest.raises(ExportError, match="a LoRA export is a folder"):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fewclip.cli import main
+from fewclip.cli.main import main
 
 SHAPES = ["circle", "square", "triangle", "star"]
 
@@ -113,8 +113,8 @@ def test_two_entries_of_one_name_are_an_error(folders, tmp_path, capsys):
 
 
 def test_the_new_data_keys_at_their_defaults_leave_a_run_identity_unchanged():
-    from fewclip.records import config_dict
-    from fewclip.run import load_train_config
+    from fewclip.runs.records import config_dict
+    from fewclip.runs.run import load_train_config
 
     conf = config_dict(load_train_config(["data=toy-shapes"]))
     assert "reader" not in conf["data"] and "prompts" not in conf["data"]  # as a run recorded before they existed

@@ -14,9 +14,9 @@ import open_clip
 import pytest
 import torch
 
-from fewclip.adapter import ADAPTERS
-from fewclip.data import DATASETS
-from fewclip.importer import FORMATS, import_checkpoint
+from fewclip.adapter.base import ADAPTERS
+from fewclip.data.base import DATASETS
+from fewclip.backbones.importer import FORMATS, import_checkpoint
 
 # pip-installs the example (seconds); tests/test_frame.py covers entry points, a plugin launcher's sweep and a plugin
 # geometry in the default run, CI runs these too.
@@ -79,9 +79,9 @@ def test_train_sweep_on_two_workers_export_and_predict(plugin, tmp_path):
     assert "centroid" in report and "zeroshot" in report
     # the run exports through fewclip's generic adapter format and predicts what it scored
     fewclip("export", env_out / "one", "-o", tmp_path / "centroid.safetensors")
-    from fewclip.export import load_prompts
-    from fewclip.run import load_train_config
-    from fewclip.data import build_dataset
+    from fewclip.adapter.exports import load_prompts
+    from fewclip.runs.run import load_train_config
+    from fewclip.data.base import build_dataset
 
     clf = load_prompts(tmp_path / "centroid.safetensors", device="cpu")
     ds = build_dataset(load_train_config(["data=colour-patches", "adapter=centroid"]).data)

@@ -1,4 +1,4 @@
-"""Presets (fewclip.presets): every method's named settings, how a run takes them, and where they show.
+"""Presets (fewclip.config.presets): every method's named settings, how a run takes them, and where they show.
 
 The parity tests take the authors' settings from ``preset=authors`` where it sets any field (Tip-Adapter,
 Tip-Adapter-F, LP++ and CLAP's ZS-LP (preset=zslp) in test_cache_parity.py; GDA, ProKeR and ProLIP in test_gda_proker_prolip.py); for
@@ -14,17 +14,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from fewclip.adapter import ADAPTERS, adapter_info
+from fewclip.adapter.base import ADAPTERS, adapter_info
 from fewclip.adapters.clap import Clap, PooledViews
-from fewclip.cli import main
-from fewclip.config import ConfigError
-from fewclip.engine import FitData, TrainConfig
-from fewclip.features import Features
-from fewclip.presets import (FEWCLIP, PRESETS, Preset, PresetError, Setting, describe_presets, get_preset, markdown_rows,
+from fewclip.cli.main import main
+from fewclip.config.compose import ConfigError
+from fewclip.train.engine import FitData, TrainConfig
+from fewclip.features.encode import Features
+from fewclip.config.presets import (FEWCLIP, PRESETS, Preset, PresetError, Setting, describe_presets, get_preset, markdown_rows,
                              parse_label, presets_of, register_presets)
 from fewclip.report import write_report
-from fewclip.run import load_train_config, preset_defaults, run_train
-from fewclip.sweep import SweepSpec, plan_sweep
+from fewclip.runs.run import load_train_config, preset_defaults, run_train
+from fewclip.runs.sweep import SweepSpec, plan_sweep
 from test_cache_parity import FeatureBackbone, fixture
 
 README = Path(__file__).resolve().parent.parent / "README.md"

@@ -12,15 +12,15 @@ from fewclip.adapters import AdapterError, build_adapter
 from fewclip.adapters.coop import CoOp, CoOpConfig
 from fewclip.adapters.lora import LoRA, LoRAConfig
 from fewclip.adapters.zeroshot import ZeroShot, ZeroShotConfig
-from fewclip.cli import main
-from fewclip.config import ConfigError
+from fewclip.cli.main import main
+from fewclip.config.compose import ConfigError
 from fewclip.datasets import DataConfig, build_dataset
-from fewclip.protocols import base_new_classes, harmonic_mean, make_plan, read_protocol_split
-from fewclip.evals import describe_evals, scorer_for
-from fewclip.features import FeatureCache, text_prototypes
+from fewclip.data.protocols import base_new_classes, harmonic_mean, make_plan, read_protocol_split
+from fewclip.train.evals import describe_evals, scorer_for
+from fewclip.features.encode import FeatureCache, text_prototypes
 from fewclip.report import build_report
-from fewclip.sweep import load_sweep_config, plan_sweep
-from fewclip.run import (RunResources, load_train_config, run_identity_of,
+from fewclip.runs.sweep import load_sweep_config, plan_sweep
+from fewclip.runs.run import (RunResources, load_train_config, run_identity_of,
                           run_train)
 from test_coop import CARD_GEOMETRIES, SIGLIP_TEXT, backbone, cards, image_features  # noqa: F401  (cards: fixture)
 
@@ -172,9 +172,9 @@ def test_restrict_logits_scores_a_subset_target_with_a_per_class_classifier(runs
     the target's 4 classes with the class map, which is what this test recomputes from the saved weights."""
     from safetensors.torch import load_file
 
-    from fewclip.backbones import load_backbone
+    from fewclip.backbones.backbone import load_backbone
     from fewclip.datasets import read_split
-    from fewclip.splits import test_items
+    from fewclip.data.splits import test_items
 
     out, _ = runs["shift_probe"]
     m = read(out / "metrics.json")
@@ -186,7 +186,7 @@ def test_restrict_logits_scores_a_subset_target_with_a_per_class_classifier(runs
     probe.load_adapter_state_dict(load_file(str(out / "adapter.safetensors")))
     outline = build_dataset(DataConfig(name="toy-shapes-outline"))
     items = test_items(outline, 40)
-    from fewclip.features import extract_features
+    from fewclip.features.encode import extract_features
 
     feats, labels = extract_features(bb, outline, items)
     with torch.no_grad():

@@ -8,7 +8,7 @@ import torch
 
 from fewclip.datasets import DATASETS, DataConfig, Dataset, DatasetError, FewShotSplit, Item, build_dataset
 from fewclip.datasets import make_few_shot_split
-from fewclip.protocols import (
+from fewclip.data.protocols import (
     CROSS_DATASET_TARGETS,
     DOMAIN_SHIFT_TARGETS,
     PROTOCOLS,
@@ -230,8 +230,8 @@ def test_class_map_prefers_class_ids_and_refuses_ambiguous_names():
 def test_a_restricted_source_classifier_is_the_targets_own_zero_shot_classifier(toy):
     """Evaluating a subset target among its classes: the target's own prompts give exactly the source
     prototypes at the mapped classes, so source logits restricted by class_map are the target's logits."""
-    from fewclip.backbones import BackboneConfig, load_backbone
-    from fewclip.features import text_prototypes
+    from fewclip.backbones.backbone import BackboneConfig, load_backbone
+    from fewclip.features.encode import text_prototypes
 
     bb = load_backbone(BackboneConfig(name="toy-clip", device="cpu"))
     src, tgt = toy["toy-shapes"], toy["toy-shapes-outline"]

@@ -10,9 +10,9 @@ import pytest
 
 import fewclip.adapters  # noqa: F401  (registers the built-in methods)
 import fewclip.datasets  # noqa: F401  (registers the built-in datasets)
-from fewclip.adapter import ADAPTERS
-from fewclip.cli import main
-from fewclip.data import DATASETS
+from fewclip.adapter.base import ADAPTERS
+from fewclip.cli.main import main
+from fewclip.data.base import DATASETS
 from fewclip.published import (AVERAGE, COLUMNS, ELEVEN, PROTOCOLS, RESULTS_FILE, PublishedError, backbone_checksums,
                                backbone_key, filter_rows, load_table, parse_options, shipped_table)
 from fewclip.report import ReportOptions, build_report, write_report
@@ -136,7 +136,7 @@ def test_command_lists_filtered_rows(capsys):
 
 
 def test_command_imports_no_torch():
-    code = ("import sys; from fewclip.cli import main; main(['published', 'method=coop']); "
+    code = ("import sys; from fewclip.cli.main import main; main(['published', 'method=coop']); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from fewclip import adapter_index, commands, quickhelp
-from fewclip.adapter import ADAPTERS
-from fewclip.cli import COMMAND_NAMES, main
+from fewclip.adapter import index as adapter_index
+from fewclip.cli import commands, quickhelp
+from fewclip.adapter.base import ADAPTERS
+from fewclip.cli.main import COMMAND_NAMES, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +35,7 @@ def quick_help(command, args):
 def test_the_committed_adapter_index_is_current():
     committed = json.loads(adapter_index.INDEX_FILE.read_text())
     assert committed == json.loads(json.dumps(adapter_index.build_index())), (
-        "fewclip/adapter_index.json is out of date with the methods' code: run `python -m fewclip.adapter_index`")
+        "fewclip/adapter/index.json is out of date with the methods' code: run `python -m fewclip.adapter.index`")
     builtin = {n for n, i in ADAPTERS.items() if i.adapter_cls.__module__.startswith("fewclip.adapters.")}
     assert set(committed["methods"]) == builtin
 
@@ -80,7 +81,7 @@ def test_a_method_or_launcher_outside_the_index_falls_back_to_the_registries(cap
 
 @pytest.mark.parametrize("command", COMMAND_NAMES)
 def test_no_command_s_help_imports_torch(command):
-    code = ("import sys; from fewclip.cli import main; main([sys.argv[1], '--help']); "
+    code = ("import sys; from fewclip.cli.main import main; main([sys.argv[1], '--help']); "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'open_clip', 'torchvision')))")
     out = subprocess.run([sys.executable, "-c", code, command], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]", f"`fewclip {command} --help` imported {out.splitlines()[-1]}"

@@ -1,4 +1,4 @@
-"""fewclip.records on its own: run identity, the finished-run record, run locks and clean-up."""
+"""fewclip.runs.records on its own: run identity, the finished-run record, run locks and clean-up."""
 import errno
 import json
 import os
@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from fewclip import locks, records
-from fewclip.io import atomic_write, atomic_write_text
-from fewclip.records import (
+from fewclip.runs import records
+from fewclip.utils import locks
+from fewclip.utils.io import atomic_write, atomic_write_text
+from fewclip.runs.records import (
     RECORD_KEY,
     NonFiniteError,
     RunExistsError,

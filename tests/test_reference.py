@@ -8,13 +8,13 @@ import torch
 import torch.nn as nn
 from omegaconf import OmegaConf
 
-from fewclip.backbones import REFERENCE_DIR, BackboneConfig, load_backbone, sha256_file, shipped_cards
+from fewclip.backbones.backbone import REFERENCE_DIR, BackboneConfig, load_backbone, sha256_file, shipped_cards
 from fewclip.datasets import DataConfig, build_dataset
-from fewclip.protocols import plan_base2new
+from fewclip.data.protocols import plan_base2new
 from fewclip.datasets.toytasks import TASKS
 from fewclip.datasets.toypretrain import RECIPES, TOY_MEAN, TOY_STD, PretrainConfig, batch_tensors, pretrain, save_reference
-from fewclip.run import score_zeroshot
-from fewclip.splits import TEST_SUBSET_SEED
+from fewclip.runs.run import score_zeroshot
+from fewclip.data.splits import TEST_SUBSET_SEED
 
 RECORD = REFERENCE_DIR / "zeroshot.json"
 RERUN = "rerun `python scripts/record_reference_zeroshot.py` if the change is intended"

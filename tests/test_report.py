@@ -232,7 +232,7 @@ def test_a_report_for_a_paper(tmp_path):
     0-100. Two out folders merged, methods chosen and renamed, shots picked, PDF/SVG figures and LaTeX tables."""
     from matplotlib.figure import Figure
 
-    from fewclip.cli import main
+    from fewclip.cli.main import main
     from fewclip.report.plots import clipped_yerr
 
     a, b = tmp_path / "a", tmp_path / "b"
@@ -271,7 +271,7 @@ def test_report_help_lists_its_options_without_loading_models():
     import subprocess
     import sys
 
-    code = ("import sys, fewclip.cli; fewclip.cli.main(['report', '--help']); "
+    code = ("import sys, fewclip.cli.main; fewclip.cli.main.main(['report', '--help']); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "rename: {}  # method -> the name the tables and figures show" in out

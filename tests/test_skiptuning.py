@@ -8,15 +8,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from fewclip.adapter import AdapterError
+from fewclip.adapter.base import AdapterError
 from fewclip.adapters.skiptuning import (SkipTuning, SkipTuningConfig, always_run, reserve_ratios, run_ranks,
                                         skip_classes)
-from fewclip.backbones import _card_model_config, build_open_clip_model, read_card, shipped_cards
-from fewclip.config import ConfigError
-from fewclip.export import export_run, load_prompts, read_metadata
-from fewclip.features import text_prototypes
-from fewclip.run import load_train_config, run_train
-from fewclip.splits import test_items as run_test_items
+from fewclip.backbones.backbone import _card_model_config, build_open_clip_model, read_card, shipped_cards
+from fewclip.config.compose import ConfigError
+from fewclip.adapter.exports import export_run, load_prompts, read_metadata
+from fewclip.features.encode import text_prototypes
+from fewclip.runs.run import load_train_config, run_train
+from fewclip.data.splits import test_items as run_test_items
 from test_coop import CARD_GEOMETRIES, SIGLIP_TEXT, backbone, cards  # noqa: F401  (cards is a fixture)
 
 TOY = ["toy-clip", "toy-euclip", "toy-meru", "toy-siglip"]

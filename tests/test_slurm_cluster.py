@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fewclip import locks, records
+from fewclip.runs import records
+from fewclip.utils import locks
 
 from slurm_cluster import Unavailable, start
 
@@ -74,7 +75,7 @@ class Canceller(threading.Thread):
 
 
 def sweep(cluster, spec: Path, out: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "fewclip.cli", "sweep", str(spec), f"out={out}", "launcher=slurm",
+    cmd = [sys.executable, "-m", "fewclip.cli.main", "sweep", str(spec), f"out={out}", "launcher=slurm",
            "launcher.gpus_per_task=0", "launcher.cpus_per_task=1", "launcher.mem_gb=1", "launcher.time_min=10",
            "report=false"]
     return subprocess.run(cmd, env={**cluster.env, "FEWCLIP_DEBUG": "0"}, capture_output=True, text=True, timeout=300)

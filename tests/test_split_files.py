@@ -1,4 +1,4 @@
-"""Few-shot split files (fewclip.split_files): CoOp's split_zhou JSON, 2SFS's JSON lines, manifests and a run's
+"""Few-shot split files (fewclip.data.split_files): CoOp's split_zhou JSON, 2SFS's JSON lines, manifests and a run's
 split.json, written and read back, checked against datasets, and used by runs (data.fewshot_file)."""
 import hashlib
 import json
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from fewclip.cli import main
-from fewclip.data import DataConfig, Item, build_dataset
-from fewclip.protocols import make_plan
-from fewclip.split_files import SplitFileError, read_file, resolve, split_from_file, write_file
-from fewclip.splits import make_few_shot_split
+from fewclip.cli.main import main
+from fewclip.data.base import DataConfig, Item, build_dataset
+from fewclip.data.protocols import make_plan
+from fewclip.data.split_files import SplitFileError, read_file, resolve, split_from_file, write_file
+from fewclip.data.splits import make_few_shot_split
 
 FIXTURE = Path(__file__).parent / "fixtures" / "split_files_ref"
 RUN = ["train", "adapter=linear_probe", "data=toy-shapes", "train.epochs=2", "data.max_test=40",
@@ -311,7 +311,7 @@ def test_labels_may_number_classes_otherwise(shapes, tmp_path):
 
 
 def test_split_help_is_light():
-    code = ("import sys; from fewclip.cli import main; main(['split', '--help']); "
+    code = ("import sys; from fewclip.cli.main import main; main(['split', '--help']); "
             "print('heavy' if 'torch' in sys.modules or 'omegaconf' in sys.modules else 'light')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "usage: fewclip split export" in out and "data.fewshot_file" in out and "format:" in out

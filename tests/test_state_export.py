@@ -12,10 +12,10 @@ from safetensors.torch import load_file, save_file
 
 import fewclip
 from fewclip.adapters import ADAPTERS, Adapter, AdapterConfig, adapter_info, build_adapter, register_adapter
-from fewclip.state_export import FORMAT, STATE, AdapterClassifier
-from fewclip.cli import main
-from fewclip.export import METADATA_KEY, ExportError, export_run
-from fewclip.features import text_prototypes
+from fewclip.adapter.state_export import FORMAT, STATE, AdapterClassifier
+from fewclip.cli.main import main
+from fewclip.adapter.exports import METADATA_KEY, ExportError, export_run
+from fewclip.features.encode import text_prototypes
 
 RUN = ["data=toy-shapes", "shots=1", "seed=1", "data.max_test=16", "backbone.device=cpu", "data.templates=single"]
 
@@ -228,7 +228,7 @@ def test_every_cache_and_prompt_method_exports_and_predicts_what_it_scored(name,
     assert f"{name} export" in done.summary()
     clf = fewclip.load_prompts(done.path, device="cpu")
     metrics = json.loads((run / "metrics.json").read_text())
-    from fewclip.run import load_train_config
+    from fewclip.runs.run import load_train_config
 
     cfg = load_train_config([str(run / "config.yaml")])
     adapter = build_adapter(cfg.adapter, clf.backbone, shapes.classnames, metrics["templates"])

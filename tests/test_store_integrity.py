@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fewclip.cli import main
+from fewclip.cli.main import main
 
 CLASSES = ["circle", "square", "triangle"]
 
@@ -143,10 +143,10 @@ def test_a_damaged_entry_is_reported_dropped_and_encoded_again(where, renders, t
 
 
 def test_a_toy_task_is_checked_against_its_generator(tmp_path, shapes, caplog):
-    from fewclip.backbones import BackboneConfig, load_backbone
+    from fewclip.backbones.backbone import BackboneConfig, load_backbone
     from fewclip.datasets import DataConfig, build_dataset
-    from fewclip.features import FeatureCache
-    from fewclip.store import FeatureStore
+    from fewclip.features.encode import FeatureCache
+    from fewclip.features.store import FeatureStore
 
     store = FeatureStore(tmp_path / "store")
     bb = load_backbone(BackboneConfig(name="toy-clip", device="cpu"))

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fewclip import records
-from fewclip.cli import main
+from fewclip.runs import records
+from fewclip.cli.main import main
 from fewclip.report import load_runs
 
 SWEEP = """\
@@ -143,8 +143,8 @@ DRIVER = textwrap.dedent("""
     matplotlib.use("Agg")
     import matplotlib.pyplot
     import torch
-    import fewclip.sweep, fewclip.report  # imported once, before any fork; no tensor op runs in this process
-    from fewclip.cli import main
+    import fewclip.runs.sweep, fewclip.report  # imported once, before any fork; no tensor op runs in this process
+    from fewclip.cli.main import main
 
     def sweep(args, out):
         pid = os.fork()
@@ -249,10 +249,10 @@ def test_two_sweeps_with_the_same_config_do_each_run_once(tmp_path):
     writers = [json.loads((out / r / "metrics.json").read_text())[records.RECORD_KEY]["writer"]["pid"] for r in RUNS]
     assert set(writers) <= set(result["pids"])
     # the line each sweep prints for a run it ran (a run the other one ran is "done by another worker")
-    lines = [line for line in log.splitlines() if "fewclip.launch.progress: [" in line and ": top-1 " in line]
+    lines = [line for line in log.splitlines() if "fewclip.runs.launch.progress: [" in line and ": top-1 " in line]
     assert len(lines) == len(RUNS), "\n".join(lines)  # every run trained and tested once, by one of the two
     for r in RUNS:  # and its log is that one attempt's
-        assert (out / r / "run.log").read_text().count("fewclip.launch.worker: run ") == 1
+        assert (out / r / "run.log").read_text().count("fewclip.runs.launch.worker: run ") == 1
 
 
 @pytest.mark.slow  # the same-config case covers the shared lock in the default run

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from fewclip.tokenizer import WordTokenizer
+from fewclip.backbones.tokenizer import WordTokenizer
 
 VOCAB = ["a", "red", "star", "photo", "of", "the"]
 

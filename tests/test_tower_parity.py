@@ -12,9 +12,9 @@ from open_clip.model import build_model_from_openai_state_dict
 from safetensors.torch import load_file
 
 from fewclip.adapters.clip_svd import ClipSVD, ClipSVDConfig
-from fewclip.backbones import OPENAI_EXTRA_KEYS, Backbone
-from fewclip.engine import TrainConfig, make_optimizer
-from fewclip.geometry import make_geometry
+from fewclip.backbones.backbone import OPENAI_EXTRA_KEYS, Backbone
+from fewclip.train.engine import TrainConfig, make_optimizer
+from fewclip.backbones.geometry import make_geometry
 from tiny_clip import state_sha256, tiny_images, tiny_openai_state_dict
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tower_ref"

@@ -8,12 +8,12 @@ from safetensors.torch import load_file
 
 from fewclip.adapters import build_adapter
 from fewclip.adapters.clip_svd import ClipSVD, ClipSVDConfig, SVDLinear
-from fewclip.backbones import build_open_clip_model
-from fewclip.config import ConfigError
-from fewclip.export import load_prompts
-from fewclip.features import text_prototypes
-from fewclip.run import load_train_config, run_train
-from fewclip.splits import test_items as run_test_items
+from fewclip.backbones.backbone import build_open_clip_model
+from fewclip.config.compose import ConfigError
+from fewclip.adapter.exports import load_prompts
+from fewclip.features.encode import text_prototypes
+from fewclip.runs.run import load_train_config, run_train
+from fewclip.data.splits import test_items as run_test_items
 from test_coop import CARD_GEOMETRIES, SIGLIP_TEXT, backbone, cards  # noqa: F401  (cards is a fixture)
 
 TOY = ["toy-clip", "toy-euclip", "toy-meru", "toy-siglip"]
@@ -113,9 +113,9 @@ def test_a_run_trains_the_singular_values(svd_run):
 
 
 def test_export_merge_and_predict(svd_run, tmp_path, shapes):
-    from fewclip.backbones import _card_model_config, read_card, shipped_cards
-    from fewclip.cli import main
-    from fewclip.export import export_run, read_metadata
+    from fewclip.backbones.backbone import _card_model_config, read_card, shipped_cards
+    from fewclip.cli.main import main
+    from fewclip.adapter.exports import export_run, read_metadata
 
     out, m = svd_run
     path = export_run(out, tmp_path / "svd.safetensors", merge=True).path
@@ -229,8 +229,8 @@ def twosfs_run(tmp_path_factory, shapes):
 
 
 def test_2sfs_run_ends_in_stage_two_and_exports(twosfs_run, tmp_path, shapes):
-    from fewclip.backbones import _card_model_config, read_card, shipped_cards
-    from fewclip.export import export_run
+    from fewclip.backbones.backbone import _card_model_config, read_card, shipped_cards
+    from fewclip.adapter.exports import export_run
 
     out, m = twosfs_run
     assert m["method"] == "2sfs" and m["steps"] == 6

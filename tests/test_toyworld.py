@@ -6,11 +6,11 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from fewclip.backbones import REFERENCE_DIR
+from fewclip.backbones.backbone import REFERENCE_DIR
 from fewclip.datasets import DataConfig, build_dataset
 from fewclip.datasets import toyworld as tw
 from fewclip.datasets.toytasks import TASKS
-from fewclip.tokenizer import WordTokenizer
+from fewclip.backbones.tokenizer import WordTokenizer
 
 SEED = 7
 

@@ -1,4 +1,4 @@
-"""TransCLIP (fewclip.transductive) against its authors' code, in every geometry, its caveat, and the run key.
+"""TransCLIP (fewclip.train.transductive) against its authors' code, in every geometry, its caveat, and the run key.
 
 Fixtures: tests/fixtures/cache_ref/transclip.* (numbers only; README there). The authors' ``TransCLIP_solver`` ran
 on small synthetic unit-norm features (5 classes, D = 32, 60 test images, 4 shots, 20 validation images) in
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from fewclip.geometry import GEOMETRIES, make_geometry
-from fewclip.transductive import transclip
+from fewclip.backbones.geometry import GEOMETRIES, make_geometry
+from fewclip.train.transductive import transclip
 
 FIXTURES = Path(__file__).parent / "fixtures" / "cache_ref"
 TOL = 1e-5  # probabilities after 11 x 5 z-updates, 10 mean and variance updates
@@ -128,12 +128,12 @@ def test_fewer_test_images_than_neighbours_is_an_error_naming_it():
 
 
 def test_run_key_scores_the_test_set_again_and_the_report_shows_it_as_a_method(tmp_path, monkeypatch):
-    from fewclip.backbones import BackboneConfig, load_backbone
-    from fewclip.cli import main
+    from fewclip.backbones.backbone import BackboneConfig, load_backbone
+    from fewclip.cli.main import main
     from fewclip.datasets import DataConfig, build_dataset
-    from fewclip.features import FeatureCache, text_prototypes
+    from fewclip.features.encode import FeatureCache, text_prototypes
     from fewclip.report import build_report
-    from fewclip.splits import test_items
+    from fewclip.data.splits import test_items
 
     monkeypatch.setenv("FEWCLIP_CACHE", "off")
     out = tmp_path / "toy-clip" / "toy-colours" / "zeroshot"
@@ -155,6 +155,6 @@ def test_run_key_scores_the_test_set_again_and_the_report_shows_it_as_a_method(t
 
 
 def test_an_unknown_transductive_mode_is_a_one_line_error():
-    from fewclip.cli import main
+    from fewclip.cli.main import main
 
     assert main(["zeroshot", "transductive=transclipp"]) == 2

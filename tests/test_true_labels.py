@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fewclip.cli import main
+from fewclip.cli.main import main
 
 CLASSES = {"circle": 30, "square": 34, "triangle": 34}  # 30 images: 15 train (50/20/30 split); 34: 17
 
@@ -67,9 +67,9 @@ sweep:
 
 
 def test_train_zeroshot_and_sweeps_share_the_single_template_default_and_name_it(capsys, tmp_path):
-    from fewclip.config import RunConfig, load_config
-    from fewclip.run import load_train_config
-    from fewclip.sweep import load_sweep_config, plan_sweep
+    from fewclip.config.compose import RunConfig, load_config
+    from fewclip.runs.run import load_train_config
+    from fewclip.runs.sweep import load_sweep_config, plan_sweep
 
     assert load_config([], RunConfig).data.templates == load_train_config([]).data.templates == "single"
     assert main(["zeroshot", "data=toy-shapes", "data.max_test=16", "backbone.device=cpu",
@@ -92,10 +92,10 @@ def test_train_zeroshot_and_sweeps_share_the_single_template_default_and_name_it
 
 
 def test_a_word_level_tokenizer_names_the_words_it_does_not_know(caplog):
-    from fewclip.tokenizer import WordTokenizer
+    from fewclip.backbones.tokenizer import WordTokenizer
 
     tok = WordTokenizer(["a", "photo", "of", "red", "circle"])
-    with caplog.at_level(logging.WARNING, logger="fewclip.tokenizer"):
+    with caplog.at_level(logging.WARNING, logger="fewclip.backbones.tokenizer"):
         ids = tok.encode("a photo of a golden retriever")
         tok.encode("a photo of a golden circle")  # nothing new: nothing said
         tok(["a photo of a red blob."])

@@ -29,13 +29,13 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from fewclip.errors import InputError
+from fewclip.utils.errors import InputError
 
 HERE = Path(__file__).resolve().parent
 RESULTS_FILE = HERE / "results.csv"
 BACKBONES_FILE = HERE / "backbones.csv"
 COLUMNS = ("method", "backbone", "dataset", "protocol", "shots", "metric", "value", "source", "note", "train_dataset")
-PROTOCOLS = ("fewshot", "base2new", "cross_dataset", "domain_shift")  # fewclip.protocols.PROTOCOLS (torch-free copy)
+PROTOCOLS = ("fewshot", "base2new", "cross_dataset", "domain_shift")  # fewclip.data.protocols.PROTOCOLS (torch-free copy)
 METRICS = {"fewshot": ("top1",), "base2new": ("base", "new", "hm"), "cross_dataset": ("top1",),
            "domain_shift": ("top1",)}
 AVERAGE = "average"

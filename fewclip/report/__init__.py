@@ -37,7 +37,7 @@ Conventions (also stated in ``report.md``):
 * Published results (``fewclip.report.published``): where runs match the setting of a published result
   (``fewclip published``), ``report.md`` gets a "Published results" section and ``published.csv`` is written:
   the runs' mean, the published value and the gap in standard errors of the seeds.
-* Cost (runs whose ``metrics.json`` records it, ``fewclip.cost``): per
+* Cost (runs whose ``metrics.json`` records it, ``fewclip.train.cost``): per
   backbone, a table of (method, shots) with the mean over that backbone's runs
   (every dataset and seed) of trainable parameters, training time, wall time,
   images encoded and peak memory (the CUDA allocator's peak for runs on a GPU,
@@ -47,14 +47,14 @@ Conventions (also stated in ``report.md``):
   against training time and against images encoded.
 
 Generalisation protocols (runs whose ``metrics.json`` has ``protocol`` other
-than ``fewshot`` and ``evals`` per test set, ``fewclip.evals``) get a table per
+than ``fewshot`` and ``evals`` per test set, ``fewclip.train.evals``) get a table per
 protocol and backbone instead of the few-shot tables and figures:
 
 * ``base2new``, CoCoOp's Table 1: per dataset and method, Base, New (each the
   mean over seeds ± 95% CI) and H, the harmonic mean of the two seed means;
   with two or more datasets an average block first, whose Base and New are the
   means over datasets and whose H is that of those two averages
-  (``fewclip.protocols.base2new_table``);
+  (``fewclip.data.protocols.base2new_table``);
 * ``cross_dataset`` and ``domain_shift``, CoCoOp's Tables 2 and 3: per source
   dataset, a row per method with the source, each target and the average over
   the targets (of the seed means).
@@ -69,7 +69,7 @@ protocols (``fewclip sweep`` puts each under ``OUT/<protocol>/``): each gets
 its tables. The cost table and the figures cover the few-shot runs.
 
 A malformed ``metrics.json`` is skipped with a warning naming it, and so is one whose finished-run
-record (``fewclip.records``) no longer matches its files; of several
+record (``fewclip.runs.records``) no longer matches its files; of several
 runs with the same (protocol, method, dataset, backbone, shots, seed), the first in
 sorted path order is kept and the others are skipped with a warning.
 """
@@ -81,19 +81,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
-from fewclip.io import atomic_write_json, atomic_write_text
+from fewclip.utils.io import atomic_write_json, atomic_write_text
 
-from fewclip.report_options import ReportOptions
+from fewclip.config.report import ReportOptions
 
-from .html import write_html
-from .latex import render_latex
-from .published import Comparison, compare, render_published_csv, render_published_markdown
-from .plots import plot_accuracy_vs_shots, plot_cost_vs_accuracy, save_figure
-from .runs import (COST_FIGURE_FILE, FEWSHOT, FIGURE_FILE, METRICS_FILE, NoRunsFoundError, RunResult, SkippedFile,
+from fewclip.report.html import write_html
+from fewclip.report.latex import render_latex
+from fewclip.report.published import Comparison, compare, render_published_csv, render_published_markdown
+from fewclip.report.plots import plot_accuracy_vs_shots, plot_cost_vs_accuracy, save_figure
+from fewclip.report.runs import (COST_FIGURE_FILE, FEWSHOT, FIGURE_FILE, METRICS_FILE, NoRunsFoundError, RunResult, SkippedFile,
                    load_runs)
-from .stats import (CellStats, CostStats, ProtocolCell, aggregate, aggregate_protocols, cost_stats, summarize,
+from fewclip.report.stats import (CellStats, CostStats, ProtocolCell, aggregate, aggregate_protocols, cost_stats, summarize,
                     t_critical_975)
-from .tables import figure_names, render_csv, render_markdown, to_json
+from fewclip.report.tables import figure_names, render_csv, render_markdown, to_json
 
 __all__ = ["CellStats", "CostStats", "NoRunsFoundError", "ProtocolCell", "Report", "ReportOptions", "RunResult",
            "SkippedFile", "render_latex", "select",

@@ -28,9 +28,9 @@ from typing import Any, Iterable, Iterator, Sequence
 
 import yaml
 
-from fewclip.io import atomic_write_text
+from fewclip.utils.io import atomic_write_text
 
-from .runs import RunResult
+from fewclip.report.runs import RunResult
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 from typing import Dict, List, Sequence
 
-from .runs import AVERAGE, PROTOCOL_TITLES
-from .stats import CellStats, ProtocolCell
+from fewclip.report.runs import AVERAGE, PROTOCOL_TITLES
+from fewclip.report.stats import CellStats, ProtocolCell
 
 _SPECIAL = re.compile(r"([&%$#_{}~^|\\])")
 

@@ -6,10 +6,10 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-from fewclip.io import atomic_write
+from fewclip.utils.io import atomic_write
 
-from .runs import AVERAGE, ZEROSHOT
-from .stats import CellStats, CostStats
+from fewclip.report.runs import AVERAGE, ZEROSHOT
+from fewclip.report.stats import CellStats, CostStats
 
 logger = logging.getLogger(__name__)
 

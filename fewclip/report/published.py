@@ -26,10 +26,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from fewclip.io import read_json
+from fewclip.utils.io import read_json
 from fewclip.published import AVERAGE, ELEVEN, PublishedRow, backbone_key, display_dataset, shipped_table
 
-from .runs import FEWSHOT, NA, RunResult
+from fewclip.report.runs import FEWSHOT, NA, RunResult
 
 PUBLISHED_CSV_COLUMNS = ("method", "backbone", "dataset", "train_dataset", "protocol", "shots", "metric", "mean", "n",
                          "se", "published", "gap_se", "source", "note")

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fewclip.errors import InputError
-from fewclip.protocols import PROTOCOLS, TRANSFER_PROTOCOLS
-from fewclip.io import read_json
-from fewclip.records import run_state
+from fewclip.utils.errors import InputError
+from fewclip.data.protocols import PROTOCOLS, TRANSFER_PROTOCOLS
+from fewclip.utils.io import read_json
+from fewclip.runs.records import run_state
 
 logger = logging.getLogger(__name__)
 

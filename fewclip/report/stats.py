@@ -8,9 +8,9 @@ import statistics
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from fewclip.protocols import PROTOCOLS, base2new_table, harmonic_mean
+from fewclip.data.protocols import PROTOCOLS, base2new_table, harmonic_mean
 
-from .runs import AVERAGE, COST_COLUMNS, FEWSHOT, RunResult, ZEROSHOT
+from fewclip.report.runs import AVERAGE, COST_COLUMNS, FEWSHOT, RunResult, ZEROSHOT
 
 logger = logging.getLogger(__name__)
 

@@ -9,11 +9,11 @@ import re
 from pathlib import Path
 from typing import Any, Sequence
 
-from fewclip.protocols import PROTOCOLS
+from fewclip.data.protocols import PROTOCOLS
 
-from .runs import (AVERAGE, COST_COLUMNS, COST_FIGURE_FILE, CSV_COLUMNS, FEWSHOT, FIGURE_FILE, NA, PROTOCOL_TITLES,
+from fewclip.report.runs import (AVERAGE, COST_COLUMNS, COST_FIGURE_FILE, CSV_COLUMNS, FEWSHOT, FIGURE_FILE, NA, PROTOCOL_TITLES,
                    ZEROSHOT, RunResult, SkippedFile)
-from .stats import CellStats, CostStats, ProtocolCell
+from fewclip.report.stats import CellStats, CostStats, ProtocolCell
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from typing import Optional, Sequence
 
 import torch
 
-from fewclip.adapter import Adapter, AdapterConfig, register_adapter
-from fewclip.features import text_prototypes
-from fewclip.state_export import STATE
+from fewclip.adapter.base import Adapter, AdapterConfig, register_adapter
+from fewclip.features.encode import text_prototypes
+from fewclip.adapter.state_export import STATE
 
 
 @dataclass

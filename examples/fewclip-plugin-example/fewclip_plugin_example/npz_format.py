@@ -11,8 +11,8 @@ from typing import Dict
 import numpy as np
 import torch
 
-from fewclip.formats.open_clip import open_clip_card
-from fewclip.importer import CheckpointImportError, Format, Imported, register_format
+from fewclip.backbones.formats.open_clip import open_clip_card
+from fewclip.backbones.importer import CheckpointImportError, Format, Imported, register_format
 
 
 def read_npz(path: Path, options: Dict[str, str]) -> Imported:

@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 from PIL import Image
 
-from fewclip.data import DataConfig, Dataset, Item, register_dataset
+from fewclip.data.base import DataConfig, Dataset, Item, register_dataset
 
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 70, 220), "yellow": (230, 220, 40),
            "purple": (140, 50, 180)}

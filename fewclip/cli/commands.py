@@ -1,0 +1,403 @@
+"""The commands behind ``fewclip COMMAND``: each turns its arguments into config objects and calls plain library
+functions. ``fewclip.cli.main`` imports this module only when a command runs (``fewclip --help`` stays light)."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import time
+from pathlib import Path
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence
+
+from omegaconf import OmegaConf
+
+from fewclip.adapter.base import ADAPTERS, adapter_info
+from fewclip.backbones.backbone import describe_backbone_source, list_backbones
+from fewclip.cli.main import COMMAND_HELP  # the usage lines live with the light entry point
+from fewclip.config.compose import ConfigError, RunConfig, compose, describe_config, load_config, to_object
+from fewclip.data.base import DATASETS, build_dataset, dataset_name
+from fewclip.train.evals import describe_evals
+from fewclip.adapter.exports import export_run, load_prompts
+from fewclip.config.compose import FeaturesConfig
+from fewclip.cli.features import cmd_features as features_command
+from fewclip.features.encode import FeatureCache
+from fewclip.backbones.importer import formats_usage, import_from_args
+from fewclip.cli.quickhelp import HEADER
+from fewclip.utils.logs import setup_logging  # fewclip's lines at the chosen level, other libraries' from WARNING up
+from fewclip.runs.records import prepare_dir
+from fewclip.report import NoRunsFoundError, write_report
+from fewclip.config.report import ReportOptions
+from fewclip.config.presets import describe_presets, presets_of
+from fewclip.runs.run import as_train_config, load_train_config, preset_defaults, run_train
+from fewclip.features.store import FeatureStore, matches_dataset, open_store, store_setting, under_root
+from fewclip.data.split_files import SplitOptions, export_split, import_split
+from fewclip.runs.sweep import load_sweep_config, run_sweep, sweep_lock
+
+log = logging.getLogger("fewclip")
+
+@dataclass
+class NoOptions:
+    """A command that takes positional arguments only."""
+
+
+def parse_command(command: str, args: Sequence[str], schema: type):
+    """``(options, positionals)`` of a command's arguments: ``key=value`` pairs composed into ``schema`` (a
+    dataclass; unknown keys and wrong types fail naming the key), everything else positional."""
+    keyvals = [a for a in args if "=" in a and not a.startswith("-")]
+    positionals = [a for a in args if "=" not in a and not a.startswith("-")]
+    base = OmegaConf.structured(schema)
+    for f in dataclasses.fields(schema):  # a mapping option (report's rename) takes keys the user chooses
+        if isinstance(getattr(schema(), f.name), dict):
+            OmegaConf.set_struct(base[f.name], False)
+    try:
+        return to_object(compose(schema, keyvals, base=base)), positionals
+    except ConfigError as e:
+        raise ConfigError(f"{e}; {COMMAND_HELP[command]}") from None
+
+
+def _table(rows: List[Dict[str, str]], cols: Sequence[str]) -> str:
+    widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) if rows else len(c) for c in cols}
+    lines = ["  ".join(c.ljust(widths[c]) for c in cols), "  ".join("-" * widths[c] for c in cols)]
+    lines += ["  ".join(str(r.get(c, "")).ljust(widths[c]) for c in cols) for r in rows]
+    return "\n".join(lines)
+
+
+def run_dir(out: str | None, default: str) -> Path:
+    return prepare_dir(Path(out or default), "out")
+
+
+# ---------------------------------------------------------------------------
+# commands
+# ---------------------------------------------------------------------------
+
+
+def cmd_backbones(args: Sequence[str]) -> int:
+    names = [a for a in args if not a.startswith("-")]
+    if names:  # one backbone in detail: where its weights, geometry and preprocessing come from
+        print("\n\n".join(describe_backbone_source(n) for n in names))
+        return 0
+    show_all = "--all" in args
+    rows = list_backbones()
+    cards = [r for r in rows if r["kind"] == "card"]
+    oc = [r for r in rows if r["kind"] == "open_clip"]
+    print("Reference backbones shipped with fewclip (backbone=NAME):")
+    print(_table(cards, ["name", "geometry", "description"]))
+    print()
+    print("open_clip architectures (backbone=ARCH backbone.pretrained=TAG|FILE|none); weights need a download or a local file:")
+    shown = oc if show_all else [r for r in oc if r["weights"] != "none"][:25]
+    print(_table(shown, ["name", "geometry", "weights"]))
+    if not show_all:
+        print(f"... {len(oc)} architectures in all; `fewclip backbones --all` lists every one.")
+    print("\nA backbone card (a YAML file) describes any other checkpoint: backbone=path/to/card.yaml;\n"
+          "`fewclip import` makes a card folder from MERU, HyCoCLIP, EuCLIP, OpenAI and open_clip checkpoints: "
+          "backbone=DIR")
+    return 0
+
+
+def cmd_datasets(args: Sequence[str]) -> int:
+    for info in sorted(DATASETS.values(), key=lambda i: (i.needs_root, i.name)):
+        print(f"{info.name}\n  {info.description}")
+        where = "  no files needed" if not info.needs_root else "  data.root=PATH, expected layout:\n" + "\n".join(
+            "    " + line for line in info.layout.splitlines())
+        print(where)
+    return 0
+
+
+def _store_cache():
+    """A feature cache backed by the feature store ($FEWCLIP_CACHE, default ~/.cache/fewclip/features)."""
+    return FeatureCache(open_store())
+
+
+def cmd_zeroshot(args: Sequence[str]) -> int:
+    cfg: RunConfig = load_config(args, RunConfig)
+    setup_logging(cfg.log_level)
+    out = run_dir(cfg.out, f"runs/zeroshot/{_protocol_prefix(cfg)}{Path(cfg.backbone.name).stem}_{dataset_name(cfg.data)}")
+    metrics = run_train(as_train_config(cfg, adapter_info("zeroshot").config_cls()), out, cache=_store_cache())
+    if "evals" in metrics:
+        print(f"zero-shot, {_protocol_words(metrics)}: {_evals_line(metrics)} with {metrics['backbone']} "
+              f"[{metrics['geometry']}] -> {out / 'metrics.json'}")
+        return 0
+    print(f"zero-shot top-1 {metrics['top1']:.2f}% on {metrics['dataset']} ({metrics['n_test']} test images, "
+          f"{_templates_words(metrics)}) with {metrics['backbone']} [{metrics['geometry']}] -> {out / 'metrics.json'}")
+    return 0
+
+
+def _templates_words(m) -> str:
+    t = m.get("templates") or []
+    return f"template {t[0]!r}" if len(t) == 1 else f"{len(t)} templates (data.templates={m.get('templates_mode')})"
+
+
+def _fewer_words(m) -> str:
+    """" (fewest 15 per class)" for a run whose classes had fewer training images than shots, else ""."""
+    got = m.get("shots_per_class") or {}
+    return f" (fewest {min(got.values())} per class)" if got and min(got.values()) < m.get("shots", 0) else ""
+
+
+def _protocol_prefix(cfg) -> str:
+    return "" if cfg.protocol == "fewshot" else f"{cfg.protocol}_"
+
+
+def _protocol_words(m) -> str:
+    where = "on" if m["protocol"] == "base2new" else "from"
+    return f"{m['protocol']} {where} {m['dataset']}"
+
+
+def _evals_line(m) -> str:
+    n = " + ".join(str(e["n_test"]) for e in m["evals"].values())
+    return f"{describe_evals(m['protocol'], m['evals'])} ({n} test images)"
+
+
+def cmd_train(args: Sequence[str]) -> int:
+    cfg = load_train_config(args)
+    setup_logging(cfg.log_level)
+    out = run_dir(cfg.out, f"runs/train/{_protocol_prefix(cfg)}{Path(cfg.backbone.name).stem}_{dataset_name(cfg.data)}"
+                           f"_{cfg.adapter.name}_{cfg.shots}shot_seed{cfg.seed}")
+    m = run_train(cfg, out, cache=_store_cache())
+    if "evals" in m:
+        print(f"{m['method']} {cfg.shots}-shot{_fewer_words(m)} seed {cfg.seed}, {_protocol_words(m)}: "
+              f"{_evals_line(m)}, {m['train_time_s']:.1f} s -> {out}")
+        return 0
+    print(f"{m['method']} {cfg.shots}-shot{_fewer_words(m)} seed {cfg.seed}: top-1 {m['top1']:.2f}% on {m['dataset']} "
+          f"({m['n_test']} test images, {_templates_words(m)}, {m['train_time_s']:.1f} s) -> {out}")
+    return 0
+
+
+def cmd_sweep(args: Sequence[str]) -> int:
+    cfg = load_sweep_config(args)
+    setup_logging(cfg.log_level)
+    out = run_dir(cfg.out, "runs/sweep")
+    counts = run_sweep(cfg, out)
+    if counts.get("dry_run"):
+        return 0
+    extra = "".join(f", {counts[k]} {what}" for k, what in (("rerun", "of them rerun (identity changed)"),
+                                                            ("by_others", "done by another worker"),
+                                                            ("failed", "failed"),
+                                                            ("replaced", "since replaced by another config"))
+                    if counts.get(k))
+    print(f"sweep: {counts['planned']} runs, {counts['done_before']} already done, {counts['ran']} ran{extra} -> {out}")
+    failures = counts.get("failures") or []
+    if cfg.report:
+        try:
+            with sweep_lock(out, cfg.lock_timeout_s):
+                rep = write_report(out)
+            print(rep.markdown)
+            print("report: " + ", ".join(str(p) for p in rep.paths.values()))
+        except NoRunsFoundError:
+            if not failures:
+                raise
+    if failures:
+        print(f"\nsweep: {len(failures)} run(s) failed; the next `fewclip sweep` with this config runs them again:")
+        for r in failures:
+            print(f"  {r.spec.dir}: {r.error}\n    log: {r.log}")
+        return 1
+    return 0
+
+
+@dataclass
+class CacheArgs:
+    dir: Optional[str] = field(default=None, metadata={
+        "help": "the feature store's folder (default: $FEWCLIP_CACHE, or ~/.cache/fewclip/features)"})
+    backbone: Optional[str] = field(default=None, metadata={"help": "only the groups of this backbone"})
+    dataset: Optional[str] = field(default=None, metadata={"help": "only the groups of this dataset (its name)"})
+    root: Optional[str] = field(default=None, metadata={"help": "only the groups of datasets under this folder"})
+
+
+def cmd_cache(args: Sequence[str]) -> int:
+    opts, words = parse_command("cache", args, CacheArgs)
+    action = words.pop(0) if words and words[0] in ("list", "clear") else "list"
+    if len(words) > 1:
+        raise ConfigError(f"fewclip cache takes one dataset name or root, got {' '.join(words)}; "
+                          f"{COMMAND_HELP['cache']}")
+    for word in words:  # a bare word: a dataset root if it is a folder, else a dataset name
+        if Path(word).expanduser().is_dir():
+            opts.root = word
+        else:
+            opts.dataset = word
+    root = store_setting(opts.dir)
+    if root is None:
+        print("the feature store is off (FEWCLIP_CACHE=off); nothing is kept on disk")
+        return 0
+    store = FeatureStore(root)
+    if action == "clear":
+        removed = store.clear(backbone=opts.backbone, dataset=opts.dataset, root=opts.root)
+        size = sum(g.bytes for g in removed) / 2**20
+        print(f"removed {len(removed)} feature group(s), {size:.1f} MiB, from {root}")
+        return 0
+    groups = [g for g in store.groups() if opts.backbone in (None, g.address.get("backbone"))
+              and (opts.dataset is None or matches_dataset(g.address.get("dataset"), opts.dataset))
+              and (opts.root is None or under_root(g.address.get("data_root"), opts.root))]
+    rows = [{"backbone": g.address.get("backbone", "?"), "dataset": g.address.get("dataset", "?"),
+             "root": g.address.get("data_root") or "(generated)",
+             "images": g.transform, "variant": "local attention" if g.address.get("variant") else "",
+             "precision": g.address.get("precision", "?"), "requests": g.requests, "features": g.images,
+             "MiB": f"{g.bytes / 2**20:.1f}", "last used": time.strftime("%Y-%m-%d %H:%M", time.localtime(g.last_used))
+             if g.last_used else "-", "group": g.digest[:12]} for g in groups]
+    total = sum(g.bytes for g in groups) / 2**20
+    print(f"feature store {root}: {len(groups)} group(s), {sum(g.images for g in groups)} feature rows, {total:.1f} MiB")
+    if rows:
+        print(_table(rows, ["backbone", "dataset", "root", "images", "variant", "precision", "requests", "features",
+                            "MiB", "last used", "group"]))
+        print("`fewclip cache clear [DATASET|ROOT] [backbone=NAME]` removes them (no sweep should be running)")
+    old = store.old_formats()
+    if old:
+        print(f"{', '.join(d.name for d in old)}: features in an older store format, never read; `fewclip cache "
+              f"clear` removes them")
+    return 0
+
+
+def cmd_report(args: Sequence[str]) -> int:
+    options, paths = parse_command("report", args, ReportOptions)
+    if not paths:
+        raise ConfigError(COMMAND_HELP["report"])
+    rep = write_report([Path(p) for p in paths], options=options)
+    print(rep.markdown)
+    print("report: " + ", ".join(str(p) for p in rep.paths.values()))
+    return 0
+
+
+def cmd_adapters(args: Sequence[str]) -> int:
+    """Every registered method (or those named), its options with their help, and its own training defaults."""
+    _, names = parse_command("adapters", args, NoOptions)
+    for name in names or ADAPTERS.names():
+        info = adapter_info(name)
+        doc = (importlib.import_module(info.adapter_cls.__module__).__doc__ or "").strip().splitlines()
+        source = ADAPTERS.source(name)
+        print(f"{name}: {doc[0] if doc else ''}" + ("" if source.startswith("fewclip.") else f"  [from {source}]"))
+        options = [line for line in describe_config(info.config_cls()) if not line.startswith("name:")]
+        print("\n".join("  adapter." + line for line in options) if options else "  no options")
+        train = getattr(info.adapter_cls, "train_defaults", {})
+        if train:
+            print("  its own training defaults: " + " ".join(f"train.{k}={v}" for k, v in train.items()))
+        if names:  # one method in detail: its presets, field by field with their sources
+            print("\n".join("  " + line for line in describe_presets(name, preset_defaults(info))))
+        else:
+            print(f"  presets: {', '.join(presets_of(name))} (`fewclip adapters {name}` lists what each sets)")
+    return 0
+
+
+def cmd_export(args: Sequence[str]) -> int:
+    rest, out = list(args), None
+    if "-o" in rest or "--out" in rest:  # `-o PATH` as README shows it, the same as out=PATH
+        i = rest.index("-o") if "-o" in rest else rest.index("--out")
+        if i + 1 >= len(rest):
+            raise ConfigError(f"{rest[i]} needs a path; {COMMAND_HELP['export']}")
+        out = rest[i + 1]
+        del rest[i:i + 2]
+    paths = [a for a in rest if "=" not in a]
+    # The options of the run's export format are checked and converted by the format itself.
+    options = dict(a.split("=", 1) for a in rest if "=" in a)
+    out = options.pop("out", out)
+    device = options.pop("backbone.device", None)
+    if len(paths) != 1:
+        raise ConfigError(COMMAND_HELP["export"])
+    done = export_run(paths[0], out, device=device, **options)
+    print(f"exported {done.adapter} run {paths[0]}\n" + done.summary())
+    return 0
+
+
+@dataclass
+class PredictBackbone:
+    device: str = field(default="auto", metadata={"help": "auto, cpu or cuda"})
+    name: Optional[str] = field(default=None, metadata={"help": "load the export's backbone from another name"})
+    pretrained: Optional[str] = field(default=None, metadata={"help": "... or from another weights file or tag"})
+    precision: Optional[str] = field(default=None, metadata={"help": "fp32, bf16 or fp16"})
+
+
+@dataclass
+class PredictArgs:
+    prompts: Optional[str] = field(default=None, metadata={"help": "what `fewclip export` wrote (file or folder)"})
+    top_k: int = field(default=5, metadata={"help": "classes shown per image"})
+    backbone: PredictBackbone = field(default_factory=PredictBackbone)
+
+
+def cmd_predict(args: Sequence[str]) -> int:
+    opts, images = parse_command("predict", args, PredictArgs)
+    if not opts.prompts or not images:
+        raise ConfigError(COMMAND_HELP["predict"])
+    if opts.top_k < 1:
+        raise ConfigError(f"top_k must be >= 1, got {opts.top_k}")
+    overrides = {k: v for k in ("name", "pretrained", "precision")
+                 if (v := getattr(opts.backbone, k)) is not None}
+    clf = load_prompts(opts.prompts, device=opts.backbone.device, backbone_overrides=overrides)
+    preds = clf.predict(images, top_k=opts.top_k)
+    print(f"{type(clf).__name__} {opts.prompts}: {len(clf.classnames)} classes on {clf.backbone.name} "
+          f"[{clf.geometry.name}]; probabilities are a softmax over the classes")
+    for path, top in zip(images, preds):
+        print(path)
+        for name, prob in top:
+            print(f"  {prob:6.3f}  {name}")
+    return 0
+
+
+def cmd_import(args: Sequence[str]) -> int:
+    if not args:
+        print("usage: fewclip import FORMAT CHECKPOINT out=DIR [key=value ...]\n\nformats:\n" + formats_usage())
+        return 0
+    print(import_from_args(args))
+    return 0
+
+
+def cmd_split(args: Sequence[str]) -> int:
+    opts, words = parse_command("split", args, SplitOptions)
+    action = words.pop(0) if words else None
+    if len(words) != {"export": 0, "import": 1}.get(action, -1):  # export takes no FILE, import one
+        raise ConfigError(COMMAND_HELP["split"])
+    dataset = build_dataset(opts.data)
+    print(export_split(opts, dataset) if action == "export" else import_split(opts, words[0], dataset))
+    return 0
+
+
+def cmd_features(args: Sequence[str]) -> int:
+    return features_command(args, setup_logging)  # methods on your own features: fewclip.cli.features
+
+
+COMMANDS: Dict[str, Callable[[Sequence[str]], int]] = {
+    "backbones": cmd_backbones,
+    "datasets": cmd_datasets,
+    "adapters": cmd_adapters,
+    "zeroshot": cmd_zeroshot,
+    "train": cmd_train,
+    "sweep": cmd_sweep,
+    "report": cmd_report,
+    "export": cmd_export,
+    "predict": cmd_predict,
+    "import": cmd_import,
+    "cache": cmd_cache,
+    "features": cmd_features,
+    "split": cmd_split,
+}
+
+
+def _train_defaults(args: Sequence[str] = ()):
+    """The train config with the given arguments (`fewclip train adapter=lora --help` shows LoRA's
+    defaults, including its own `train` section)."""
+    return load_train_config([a for a in args if a not in ("--help", "-h")])
+
+
+def _sweep_defaults(args: Sequence[str] = ()):
+    """The sweep config with the given arguments (`fewclip sweep launcher=slurm --help` shows SLURM's options)."""
+    return load_sweep_config([a for a in args if a not in ("--help", "-h")])
+
+
+# `fewclip COMMAND --help` prints these configs, each option with its help from the dataclass field's metadata.
+CONFIG_SCHEMAS: Dict[str, Callable[[Sequence[str]], object]] = {"zeroshot": lambda args: RunConfig(),
+                                                                "train": _train_defaults,
+                                                                "sweep": _sweep_defaults,
+                                                                "features": lambda args: FeaturesConfig()}
+
+
+def run(command: str, args: Sequence[str]) -> int:
+    """Run ``fewclip COMMAND ARGS`` (``--help``: the command's options and defaults)."""
+    if "--help" in args or "-h" in args:
+        schema = CONFIG_SCHEMAS.get(command)
+        if schema is None:
+            print(COMMAND_HELP.get(command) or f"fewclip {command}: no options")
+            return 0
+        print(HEADER.format(command=command))
+        print("\n".join(describe_config(schema(args))))
+        return 0
+    setup_logging("info")
+    return COMMANDS[command](args)
+
+

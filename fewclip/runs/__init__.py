@@ -1,0 +1,1 @@
+"""Runs: one run and its record, launchers, sweeps."""

@@ -1,0 +1,218 @@
+"""Sweeps: methods x backbones x datasets x shots x seeds (x protocols), planned here and executed by a
+launcher (``fewclip.runs.launch``), each run by ``fewclip.runs.run.run_train``.
+
+``plan_sweep`` expands a ``SweepSpec`` into run arguments; ``run_sweep`` computes every run's identity,
+skips the finished ones (``fewclip.runs.records``), hands the rest to the configured launcher, and writes the
+report. A sweep holds a lock on its out directory while it plans, so two sweeps on one out directory do
+each run once.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+
+from fewclip.adapter.base import adapter_info
+from fewclip.config.compose import ConfigError, section_name_of, to_yaml
+from fewclip.config.dataset_entries import sweep_datasets
+from fewclip.utils.errors import FewclipError
+from fewclip.utils.explog import check as check_log
+from fewclip.utils.io import atomic_write_text
+from fewclip.runs.launch import LAUNCHERS, check_launcher, launch
+from fewclip.runs.launch.worker import RunSpec, WorkerContext
+from fewclip.utils.locks import RunLock
+from fewclip.utils.progress import progress
+from fewclip.runs.records import Identity, RunState, prepare_dir, remove_leftovers, run_state, tidy
+from fewclip.config.presets import FEWCLIP, method_label, parse_label, preset_name_of
+from fewclip.runs.run import adapter_name_of, few_shot_split, load_train_config, run_identity_of
+from fewclip.features.store import store_setting
+from fewclip.config.sweep import SweepConfig, SweepSpec, compose_sweep_config  # noqa: F401  (re-exported)
+
+log = logging.getLogger(__name__)
+
+SWEEP_LOCK_FILE = ".fewclip.sweep.lock"
+
+
+def load_sweep_config(args: Sequence[str]) -> SweepConfig:
+    """Compose a sweep config (``fewclip.config.sweep``) with the launcher's section the arguments name; each
+    run's own arguments are checked by ``run_sweep`` before the first run starts."""
+    name = section_name_of(args, "launcher", "local")
+    if name not in LAUNCHERS:
+        raise ConfigError(LAUNCHERS.unknown(name))
+    return compose_sweep_config(args, LAUNCHERS.get(name).config_cls)
+
+
+def _safe(name: str) -> str:
+    """A folder name for a backbone: a card path becomes its file stem."""
+    base = Path(name).stem if name.endswith((".yaml", ".yml")) else name
+    return re.sub(r"[^A-Za-z0-9._-]", "_", base)
+
+
+def plan_sweep(spec: SweepSpec) -> List[Dict[str, Any]]:
+    """Every run of the sweep as {protocol, backbone, dataset, method, shots, seed, args, dir}. A few-shot run's
+    dir is ``<backbone>/<dataset>/<method>/<k>shot/seed<s>``; another protocol's is the same under
+    ``<protocol>/``."""
+    runs = []
+    protocol = spec.protocol
+    root = Path() if protocol == "fewshot" else Path(protocol)
+    datasets = sweep_datasets(spec.datasets, spec.args)
+    for bb in spec.backbones:
+        for entry in datasets:
+            ds = entry.name
+            proto = [] if protocol == "fewshot" else [f"protocol={protocol}"]
+            if ds in spec.targets:
+                proto.append(f"targets=[{','.join(spec.targets[ds])}]")
+            # A registered name goes first, as data=NAME; an entry's own data keys after the sweep's args (they win)
+            named, own = (entry.args, ()) if entry.args[0].startswith("data=") else ((), entry.args)
+            for method in spec.methods:
+                base = [f"backbone={bb}", *named, *proto, *spec.backbone_args.get(bb, []), *spec.args, *own]
+                margs, label = _method_args(spec, method, base)
+                try:
+                    untrained = not adapter_info(adapter_name_of(margs)).trains
+                except ValueError as e:
+                    raise ConfigError(f"sweep method {method!r}: {e}") from None
+                label = method if untrained else label  # zero-shot stays the report's baseline under any preset
+                method_dir = label.replace("[", "-").replace("]", "")
+                if untrained:  # nothing to train: one run, at 0 shots
+                    runs.append({"protocol": protocol, "backbone": bb, "dataset": ds, "method": label, "shots": 0,
+                                 "seed": 1, "args": [*base, *margs, "shots=0"],
+                                 "dir": root / _safe(bb) / ds / method_dir})
+                    continue
+                for k in spec.shots:
+                    for s in spec.seeds:
+                        runs.append({"protocol": protocol, "backbone": bb, "dataset": ds, "method": label,
+                                     "shots": k, "seed": s,
+                                     "args": [*base, *margs, f"shots={k}", f"seed={s}"],
+                                     "dir": root / _safe(bb) / ds / method_dir / f"{k}shot" / f"seed{s}"})
+    return runs
+
+
+def _method_args(spec: SweepSpec, method: str, base: Sequence[str]):
+    """A sweep method's arguments and its label: a variant's own list, ``NAME[PRESET]`` -> adapter=NAME
+    preset=PRESET, else adapter=NAME. A preset from the sweep's args or a variant's list shows in the label
+    (``coop[authors]``), so tables and folders tell runs of different presets apart."""
+    if method in spec.variants:
+        margs = list(spec.variants[method])
+    else:
+        name, preset = parse_label(method)
+        margs = [f"adapter={name}"] + ([f"preset={preset}"] if method.endswith("]") else [])
+    preset = preset_name_of([*base, *margs])
+    label = method if preset == FEWCLIP or method.endswith("]") else method_label(method, preset)
+    return margs, label
+
+
+@dataclass
+class _Planned:
+    """One run of a sweep with its parsed config, identity and what its directory held when planned."""
+
+    run: Dict[str, Any]
+    cfg: Any
+    identity: Identity
+    state: RunState
+
+
+def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, Any]:
+    """Run every planned run that is not finished with its current identity; returns counts (and
+    ``failures``: the ``fewclip.runs.launch.worker.RunResult`` of each failed run).
+
+    Finished runs whose identity changed (config, backbone weights, data) run again and the log says
+    how many and why. The runs execute where ``cfg.launcher`` says (``fewclip.runs.launch``); each is claimed
+    with its directory's lock, so any number of sweeps or workers can share ``out``: a run held by another
+    live process is left to it and checked again later (``poll_s`` seconds between checks); one whose
+    holder is gone is taken over. A failed run does not stop the others; the next sweep runs it again.
+    """
+    check_launcher(cfg.launcher)  # a missing optional dependency fails now, not after the planning
+    check_log(cfg.log)
+    out = prepare_dir(out)
+    with sweep_lock(out, cfg.lock_timeout_s):  # the sweep's own files: one writer at a time
+        remove_leftovers(out)
+        atomic_write_text(out / "sweep.yaml", to_yaml(cfg))
+    runs = plan_sweep(cfg.sweep)
+    log.info("sweep: %d runs in the plan; checking their configs, then loading their backbones and datasets",
+             len(runs))
+    # Validate every run's config before the first one starts: a typo fails now, not after an hour.
+    parsed = []
+    for r in runs:
+        try:
+            c = load_train_config(r["args"])
+        except ConfigError as e:
+            raise ConfigError(f"sweep run {r['dir']}: {e}") from None
+        c.out = str(out / r["dir"])
+        c.log_level = cfg.log_level
+        check_log(c.log)  # log=... in sweep.args
+        parsed.append(c)
+    # Load what the runs need and work out each run's identity: a finished run counts only if it is this one.
+    context = WorkerContext(store_setting(cfg.feature_store))  # also the in-process launcher's
+    resources = context.resources
+
+    plans = []
+    for r, c in progress(list(zip(runs, parsed)), desc="sweep: planning", unit="run", leave=False):
+        try:
+            bb, plan = resources(c)
+            identity = run_identity_of(c, bb, plan, few_shot_split(c, plan))
+        except FewclipError as e:
+            raise _in_run(e, r) from e
+        plans.append(_Planned(r, c, identity, run_state(out / r["dir"], identity)))
+    for p in plans:
+        if p.state.finished:  # a lock or temporary file left by a process killed after it finished the run
+            tidy(out / p.run["dir"], stale_after_s=cfg.lock_timeout_s)
+    todo = [p for p in plans if not p.state.finished]
+    counts = {"planned": len(runs), "done_before": len(runs) - len(todo), "ran": 0, "rerun": 0, "by_others": 0,
+              "failed": 0, "replaced": 0}
+    log.info("sweep: %d runs planned, %d already finished, %d to run", len(runs), counts["done_before"], len(todo))
+    reasons: Dict[str, int] = {}
+    for p in todo:
+        if p.state.holds_results:
+            reasons[p.state.reason] = reasons.get(p.state.reason, 0) + 1
+    for reason, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
+        log.warning("sweep: %d finished run(s) do not match this sweep and run again: %s", n, reason)
+
+    specs = [_spec(p, out, cfg, context.store_root) for p in todo]
+    outcome = launch(cfg.launcher, specs, out=out, context=context, poll_s=poll_s)
+    if outcome.dry_run:
+        return {**counts, "dry_run": True}
+    counts.update(outcome.counts)
+    counts["failures"] = outcome.failures
+    # A concurrent sweep with other settings may have replaced runs since: say so rather than report them silently.
+    failed = {r.spec.dir for r in outcome.failures}
+    replaced = [p for p in plans if str(p.run["dir"]) not in failed and not run_state(out / p.run["dir"],
+                                                                                     p.identity).finished]
+    counts["replaced"] = len(replaced)
+    if replaced:
+        log.warning("sweep: %d run(s) in %s now hold results of another config (another sweep with other settings "
+                    "shares this out directory), e.g. %s: %s", len(replaced), out, replaced[0].run["dir"],
+                    run_state(out / replaced[0].run["dir"], replaced[0].identity).reason)
+    return counts
+
+
+def _spec(p: _Planned, out: Path, cfg: SweepConfig, store: Optional[str]):
+    """A planned run as the launchers hand it to the run function (``fewclip.runs.launch.worker.execute_run``)."""
+    r = p.run
+    trains = adapter_info(p.cfg.adapter.name).adapter_cls.will_train_image_tower(p.cfg.adapter)
+    return RunSpec(out=str(Path(out).resolve()), dir=str(r["dir"]), args=tuple(r["args"]), identity=p.identity,
+                   method=r["method"], backbone=r["backbone"], dataset=r["dataset"], shots=int(r["shots"]),
+                   seed=int(r["seed"]), log_level=cfg.log_level, lock_timeout_s=cfg.lock_timeout_s, store=store,
+                   trains_image_tower=bool(trains), log=cfg.log)
+
+
+def _in_run(e: Exception, r: Dict[str, Any]) -> Exception:
+    """The same error with the run named in its message."""
+    try:
+        return type(e)(f"sweep run {r['dir']}: {e}")
+    except Exception:
+        return e
+
+
+@contextmanager
+def sweep_lock(out: Path, stale_after_s: Optional[float] = None):
+    """Hold the sweep-level lock of ``out`` (its sweep.yaml and report files), waiting for it."""
+    lock = RunLock(out, stale_after_s=stale_after_s, name=SWEEP_LOCK_FILE)
+    lock.acquire()
+    try:
+        yield lock
+    finally:
+        lock.release()

@@ -1,0 +1,1 @@
+"""Training and scoring: the loop, the compiled step, cost, protocol scoring, transduction."""
