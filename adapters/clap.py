@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fewclip.train.engine import CachedFeatures, FeatureSource, train_loop
+from fewclip.training.engine import CachedFeatures, FeatureSource, train_loop
 from fewclip.features.encode import Features
 
 from fewclip.adapters._cache import text_classifier

@@ -70,7 +70,7 @@ class CoCoOpConfig(CoOpConfig):
 class CoCoOp(CoOp):
     name = "cocoop"
     supports_new_classes = True
-    text_step = "image_text_features"  # the class prompts of a chunk of images (fewclip.train.compiled)
+    text_step = "image_text_features"  # the class prompts of a chunk of images (fewclip.training.compiled)
     # vit_b16_c4_ep10_batch1_ctxv1.yaml: batch 1, 10 epochs, SGD lr 0.002 (the train section's default).
     train_defaults = {"batch_size": 1, "epochs": 10}
 

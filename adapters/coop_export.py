@@ -1,7 +1,7 @@
 """CoOp's export: the learned prompts as one self-describing ``.safetensors`` file (format ``fewclip.prompts``).
 
 ``fewclip export RUN_DIR -o prompts.safetensors [nearest=3]`` on a CoOp run
-(``fewclip.adapter.exports.export_run``) writes it; ``fewclip.load_prompts`` and
+(``fewclip.runs.export.export_run``) writes it; ``fewclip.load_prompts`` and
 ``fewclip predict`` load it as a ``PromptClassifier``.
 
 The file

@@ -2,7 +2,7 @@
 
 Two adapters, both fit-style (``trained_by = "fit"``): the engine calls
 ``fit(data)`` with the cached raw image-tower features of the un-augmented
-training and validation images (``fewclip.train.engine.FitData``) instead of
+training and validation images (``fewclip.training.engine.FitData``) instead of
 running its own gradient loop.
 
 ``linear_probe``: the CLIP paper's probe

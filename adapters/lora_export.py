@@ -1,6 +1,6 @@
 """Exported LoRA runs: peft's own format plus fewclip's metadata, or one merged open_clip state dict.
 
-``fewclip export RUN_DIR [merge=true]`` (``fewclip.adapter.exports.export_run``) on a LoRA run writes a folder::
+``fewclip export RUN_DIR [merge=true]`` (``fewclip.runs.export.export_run``) on a LoRA run writes a folder::
 
     RUN_DIR/export/
       adapter_model.safetensors   the LoRA A/B matrices, peft's key names

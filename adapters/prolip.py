@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fewclip.train.engine import NonFiniteError
+from fewclip.utils.errors import NonFiniteError
 
 from fewclip.adapters._cache import TIE_BREAKS, choose, scored, text_classifier
 from fewclip.adapter.state_export import STATE

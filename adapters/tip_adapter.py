@@ -17,7 +17,7 @@ which is OpenAI CLIP's scale). With alpha = 0 the logits are the zero-shot logit
 Cache keys (``utils.build_cache_model``): ``views`` (10) augmented views of each training image; their raw
 tower outputs are averaged, then embedded (the authors average raw features, then normalise): in the
 Euclidean and hyperbolic geometries that is the mean in the geometry's linear (tangent) space, where it
-averages prompt templates too. The views are the run's shared augmented views (``fewclip.train.engine.RunFeatures``:
+averages prompt templates too. The views are the run's shared augmented views (``fewclip.training.engine.RunFeatures``:
 CoOp's crop of the dataset, not the authors' RandomResizedCrop scale (0.5, 1)), so a sweep encodes each view
 of an image once for every method.
 

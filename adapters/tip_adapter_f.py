@@ -32,7 +32,7 @@ from typing import Dict
 
 from torch import Tensor, nn
 
-from fewclip.train.engine import CachedFeatures, train_loop
+from fewclip.training.engine import CachedFeatures, train_loop
 
 from fewclip.adapter.state_export import STATE
 from fewclip.adapter.base import register_adapter

@@ -12,7 +12,7 @@ def load_prompts(path, device="auto", **kwargs):
 
 def fit_features(method, train_x, train_y, classnames, text, geometry, **kwargs):
     """Fit a method on image features you already have and get back a classifier that scores new features and
-    exports like a run: see ``fewclip.train.on_features.fit_features``."""
-    from fewclip.train.on_features import fit_features as _fit_features  # on first use, as load_prompts
+    exports like a run: see ``fewclip.training.on_features.fit_features``."""
+    from fewclip.training.on_features import fit_features as _fit_features  # on first use, as load_prompts
 
     return _fit_features(method, train_x, train_y, classnames, text, geometry, **kwargs)

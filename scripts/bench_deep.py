@@ -57,7 +57,7 @@ import torch
 
 from fewclip.backbones.backbone import BackboneConfig, load_backbone, resolve_device, shipped_cards
 from fewclip.config.compose import as_dict, load_config
-from fewclip.train.cost import MiB, peak_rss_bytes, reset_peak_rss, rss_bytes
+from fewclip.training.cost import MiB, peak_rss_bytes, reset_peak_rss, rss_bytes
 from fewclip.utils.io import atomic_write_json, read_json
 
 log = logging.getLogger("bench_deep")
@@ -132,7 +132,7 @@ def sync(device: torch.device) -> None:
 
 def run_worker(cfg: BenchConfig) -> Dict:
     from fewclip.adapters import adapter_info, build_adapter
-    from fewclip.train.engine import TrainConfig, amp_autocast, make_optimizer
+    from fewclip.training.engine import TrainConfig, amp_autocast, make_optimizer
 
     method, procedure = cfg.worker.split(":")
     dev = resolve_device(cfg.device)

@@ -19,10 +19,10 @@ Methods (``methods=``, a comma list; all four by default):
 architecture loaded with random weights (``ViT-B-16`` means ``backbone.pretrained=none``: neither time
 nor memory depends on the weights). The ``classes=`` class names are synthetic ("class 0", ...), with
 LoRA's default template "a photo of a {}.". One step is what the engine's loop does
-(``fewclip.train.engine.train_loop``): under ``fewclip.train.engine.amp_autocast(device, amp)`` (``amp=auto``: bf16 on
+(``fewclip.training.engine.train_loop``): under ``fewclip.training.engine.amp_autocast(device, amp)`` (``amp=auto``: bf16 on
 CUDA, none on the CPU), logits from ``batch=`` cached features (random, of the image tower's
 output size), or from ``adapter.encode_images(pixels)`` of random pixels for the methods that adapt the
-image tower; cross-entropy; backward; an optimiser step (``fewclip.train.engine.make_optimizer``) with the
+image tower; cross-entropy; backward; an optimiser step (``fewclip.training.engine.make_optimizer``) with the
 adapter's own defaults (CoOp: SGD with momentum; LoRA: AdamW). The optimiser's state is created by the
 first step, so it counts as step memory.
 
@@ -32,7 +32,7 @@ memory is left over in another's numbers:
 * CUDA: the caching allocator's counters. *before* is ``torch.cuda.memory_allocated()`` once the backbone,
   adapter, optimiser and inputs are built; *peak* is ``torch.cuda.max_memory_allocated()`` over the steps
   (peak statistics reset just before them), tensors only; *step extra* = peak - before.
-* CPU: the process's resident set size (RSS, from ``/proc/self/status``; ``fewclip.train.cost``, which every
+* CPU: the process's resident set size (RSS, from ``/proc/self/status``; ``fewclip.training.cost``, which every
   run's metrics use too). After setup, garbage is collected, freed heap memory is handed back to the
   system (``malloc_trim``) and the RSS high-water mark is reset (``/proc/self/clear_refs``); *before* is
   the RSS then, *peak* is the high-water mark (``VmHWM``) after the steps. RSS
@@ -65,8 +65,8 @@ import torch.nn.functional as F
 
 from fewclip.backbones.backbone import BackboneConfig, load_backbone, resolve_device, shipped_cards
 from fewclip.config.compose import as_dict, load_config
-from fewclip.train.cost import MiB, peak_rss_bytes, reset_peak_rss, rss_bytes
-from fewclip.train.engine import AMP_MODES, amp_dtype
+from fewclip.training.cost import MiB, peak_rss_bytes, reset_peak_rss, rss_bytes
+from fewclip.training.engine import AMP_MODES, amp_dtype
 from fewclip.utils.io import atomic_write_json, read_json
 
 log = logging.getLogger("bench_lora")
@@ -137,7 +137,7 @@ def sync(device: torch.device) -> None:
 
 def run_worker(cfg: BenchConfig) -> Dict:
     from fewclip.adapters import adapter_info, build_adapter
-    from fewclip.train.engine import TrainConfig, amp_autocast, make_optimizer
+    from fewclip.training.engine import TrainConfig, amp_autocast, make_optimizer
 
     method = cfg.worker
     adapter_name, overrides, _ = METHODS[method]

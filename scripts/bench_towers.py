@@ -59,7 +59,7 @@ from bench_deep import classnames, split, sync
 from fewclip.adapters._deep import text_lower_blocks
 from fewclip.backbones.backbone import BackboneConfig, load_backbone, resolve_device, shipped_cards
 from fewclip.config.compose import as_dict, load_config
-from fewclip.train.cost import MiB, peak_rss_bytes, reset_peak_rss, rss_bytes
+from fewclip.training.cost import MiB, peak_rss_bytes, reset_peak_rss, rss_bytes
 from fewclip.utils.io import atomic_write_json, read_json
 
 log = logging.getLogger("bench_towers")
@@ -136,7 +136,7 @@ def build(method: str, procedure: str, bb, names):
 
 
 def run_worker(cfg: BenchConfig) -> Dict:
-    from fewclip.train.engine import TrainConfig, amp_autocast, make_optimizer
+    from fewclip.training.engine import TrainConfig, amp_autocast, make_optimizer
 
     method, procedure = cfg.worker.split(":")
     dev = resolve_device(cfg.device)

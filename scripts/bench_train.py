@@ -13,7 +13,7 @@ CoOp with 16 unified context vectors before the class name.
   remaining tokens attending to it as cached keys/values.
 
 * compiled: the same cached-feature paths with the text step compiled by ``torch.compile``
-  (``fewclip.train.compiled``, what ``train.compile=on`` does) and the fused optimiser where torch has
+  (``fewclip.training.compiled``, what ``train.compile=on`` does) and the fused optimiser where torch has
   one; the compile's one-off time is reported beside it (``compile=false`` skips these rows).
 
 All are timed for a few steps each (forward, backward, optimiser step) and scaled to
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from fewclip.backbones.backbone import BackboneConfig, load_backbone
-from fewclip.train.compiled import compile_text_step, fused_supported, uncompile_text_step
+from fewclip.training.compiled import compile_text_step, fused_supported, uncompile_text_step
 from fewclip.config.compose import load_config
 
 

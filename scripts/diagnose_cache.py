@@ -48,7 +48,7 @@ def main(argv):
     from fewclip.adapters._cache import search_alpha_beta
     from fewclip.backbones.backbone import BackboneConfig, load_backbone
     from fewclip.datasets import DataConfig, build_dataset, make_few_shot_split
-    from fewclip.train.engine import RunFeatures
+    from fewclip.training.engine import RunFeatures
     from fewclip.features.encode import FeatureCache
     from fewclip.runs.run import load_train_config
     from fewclip.data.splits import test_items

@@ -42,7 +42,7 @@ import bench_train  # noqa: E402  (scripts/bench_train.py: the CoOp epoch)
 from fewclip.adapters import adapter_info, build_adapter  # noqa: E402
 from fewclip.backbones.backbone import BackboneConfig, load_backbone  # noqa: E402
 from fewclip.config.compose import load_config  # noqa: E402
-from fewclip.train.engine import amp_autocast  # noqa: E402
+from fewclip.training.engine import amp_autocast  # noqa: E402
 
 TARGETS = {"coop_epoch_speedup": 10.0, "text_step_gemm_share": 0.40, "text_step_peak_gb": 16.0,
            "extraction_share": 0.95}

@@ -27,7 +27,7 @@ from fewclip.adapters.prograd import ProGrad, ProGradConfig
 from fewclip.adapters.tcp import TCP, TCPConfig
 from fewclip.adapters.zeroshot import ZeroShot, ZeroShotConfig
 from fewclip.backbones.backbone import Backbone
-from fewclip.train.engine import CachedFeatures, TrainConfig, train_loop
+from fewclip.training.engine import CachedFeatures, TrainConfig, train_loop
 from fewclip.features.encode import Features
 from fewclip.backbones.geometry import make_geometry
 from tiny_clip import state_sha256, tiny_images, tiny_openai_state_dict

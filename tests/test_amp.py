@@ -10,7 +10,7 @@ import torch
 
 from fewclip.adapters import ADAPTERS, adapter_info, build_adapter
 from fewclip.backbones.backbone import BackboneConfig, load_backbone
-from fewclip.train.engine import AMP_MODES, CachedFeatures, FeatureSource, FitData, TrainConfig, amp_autocast, amp_dtype, \
+from fewclip.training.engine import AMP_MODES, CachedFeatures, FeatureSource, FitData, TrainConfig, amp_autocast, amp_dtype, \
     train_loop
 from fewclip.features.encode import FeatureCache, Features
 from fewclip.backbones.geometry import exp_map0, make_geometry

@@ -8,13 +8,13 @@ import pytest
 import torch
 from PIL import Image
 
-import fewclip.train.evals
+import fewclip.training.evals
 from fewclip.adapter.base import Adapter
 from fewclip.cli.main import main
 from fewclip.config.compose import ConfigError, load_config
 from fewclip.datasets import DataConfig, Dataset, DatasetError, build_dataset, check_classnames, sample_few_shot
 from fewclip.data.base import to_rgb
-from fewclip.train.engine import TrainConfig
+from fewclip.training.engine import TrainConfig
 from fewclip.adapter.exports import load_image
 
 TRAIN = ["train", "data=toy-shapes", "shots=1", "seed=1", "train.epochs=1", "train.augment_views=1",
@@ -41,17 +41,17 @@ def test_diverged_training_stops_and_records_nothing(tmp_path, capsys):
 
 
 def test_non_finite_metrics_or_adapter_tensors_are_never_recorded(tmp_path, capsys, monkeypatch):
-    real_evaluate = fewclip.train.evals.evaluate
+    real_evaluate = fewclip.training.evals.evaluate
 
     def nan_top1(*args, **kwargs):
         return {**real_evaluate(*args, **kwargs), "top1": float("nan")}
 
-    monkeypatch.setattr(fewclip.train.evals, "evaluate", nan_top1)
+    monkeypatch.setattr(fewclip.training.evals, "evaluate", nan_top1)
     out = tmp_path / "metric"
     assert main([*TRAIN, "adapter=linear_probe", f"out={out}"]) == 1
     assert "metric top1 = nan is not a finite number" in capsys.readouterr().err
     assert not (out / "metrics.json").exists()
-    monkeypatch.setattr(fewclip.train.evals, "evaluate", real_evaluate)
+    monkeypatch.setattr(fewclip.training.evals, "evaluate", real_evaluate)
 
     real_sd = Adapter.adapter_state_dict
 

@@ -15,7 +15,7 @@ from fewclip.adapters.taskres import TaskRes, TaskResConfig
 from fewclip.adapters.tip_adapter import TipAdapter, TipAdapterConfig
 from fewclip.adapters.tip_adapter_f import TipAdapterF, TipAdapterFConfig
 from fewclip.datasets import Item
-from fewclip.train.engine import FitData, TrainConfig
+from fewclip.training.engine import FitData, TrainConfig
 from fewclip.features.encode import Features, text_prototypes
 from fewclip.backbones.geometry import GEOMETRIES, exp_map0, l2_normalize, lorentz_time, make_geometry
 from test_coop import CARD_GEOMETRIES, SIGLIP_TEXT, backbone, cards, image_features  # noqa: F401  (cards: fixture)

@@ -26,7 +26,7 @@ from fewclip.adapters.lpp import LPP, LPPConfig
 from fewclip.adapters.taskres import TaskRes, TaskResConfig
 from fewclip.adapters.tip_adapter import TipAdapter
 from fewclip.adapters.tip_adapter_f import TipAdapterF, TipAdapterFConfig
-from fewclip.train.engine import CachedFeatures, FitData, TrainConfig, cosine_lr, make_optimizer, train_loop
+from fewclip.training.engine import CachedFeatures, FitData, TrainConfig, cosine_lr, make_optimizer, train_loop
 from fewclip.features.encode import Features
 from fewclip.backbones.geometry import make_geometry
 from fewclip.runs.run import load_train_config

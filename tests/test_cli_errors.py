@@ -16,7 +16,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from fewclip.cli.main import main
-from fewclip.adapter.exports import METADATA_KEY, export_run
+from fewclip.adapter.exports import METADATA_KEY
+from fewclip.runs.export import export_run
 
 TINY = ["data.max_test=8", "backbone.device=cpu"]
 TRAIN = ["train", "adapter=coop", "data=toy-shapes", "shots=1", "seed=1", "train.epochs=1", "train.augment_views=1",

@@ -1,12 +1,12 @@
-"""The compiled text step and the fused optimiser (fewclip.train.compiled): the same logits and training as eager."""
+"""The compiled text step and the fused optimiser (fewclip.training.compiled): the same logits and training as eager."""
 import pytest
 import torch
 
-import fewclip.train.compiled as compiled
+import fewclip.training.compiled as compiled
 from fewclip.adapters import adapter_info, build_adapter
 from fewclip.backbones.backbone import BackboneConfig, load_backbone
-from fewclip.train.compiled import COMPILE_MODES, StepTuner, compile_text_step, is_compiled, uncompile_text_step
-from fewclip.train.engine import CachedFeatures, TrainConfig, make_optimizer, train_loop
+from fewclip.training.compiled import COMPILE_MODES, StepTuner, compile_text_step, is_compiled, uncompile_text_step
+from fewclip.training.engine import CachedFeatures, TrainConfig, make_optimizer, train_loop
 from fewclip.features.encode import Features
 
 CLASSNAMES = ["circle", "square", "star", "golden retriever"]

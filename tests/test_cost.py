@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from fewclip.train.cost import MiB, RunCost, peak_rss_bytes, reset_peak_rss, rss_bytes
+from fewclip.training.cost import MiB, RunCost, peak_rss_bytes, reset_peak_rss, rss_bytes
 
 
 def test_peak_rss_sees_an_allocation_and_resets():

@@ -15,8 +15,8 @@ import torch
 from fewclip.adapters import ADAPTERS, adapter_info, build_adapter
 from fewclip.backbones.backbone import BackboneConfig, load_backbone
 from fewclip.cli.main import main
-from fewclip.train.compiled import compile_text_step, uncompile_text_step
-from fewclip.train.engine import CachedFeatures, FitData, TrainConfig, amp_autocast, train_loop
+from fewclip.training.compiled import compile_text_step, uncompile_text_step
+from fewclip.training.engine import CachedFeatures, FitData, TrainConfig, amp_autocast, train_loop
 from fewclip.features.encode import FeatureCache, Features
 from fewclip.features.store import FeatureStore
 

@@ -403,7 +403,7 @@ def test_gpa_loads_the_weighted_sum_after_the_last_epoch():
 
 def test_engine_gives_promptsrc_the_frozen_features_of_the_same_view(shapes, tmp_path):
     from fewclip.datasets import make_few_shot_split
-    from fewclip.train.engine import FreshImages, RunFeatures, TrainConfig
+    from fewclip.training.engine import FreshImages, RunFeatures, TrainConfig
     from fewclip.features.encode import FeatureCache
 
     bb = load("toy-clip")

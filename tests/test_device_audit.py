@@ -1,4 +1,4 @@
-"""The device audit (fewclip.train.device_audit): every registered method, in every geometry, on a fake CUDA device.
+"""The device audit (fewclip.training.device_audit): every registered method, in every geometry, on a fake CUDA device.
 
 For each method the backbone is moved to a fake ``cuda`` device, the adapter is built on it as a run builds
 it, and three paths run under the audit: scoring (``adapter(features)``), the training loss's forward
@@ -21,8 +21,8 @@ import fewclip.adapters.lora as lora_module
 from fewclip.adapters import ADAPTERS, AdapterConfig, adapter_info, build_adapter, register_adapter
 from fewclip.adapter.base import Adapter
 from fewclip.backbones.backbone import BackboneConfig, load_backbone
-from fewclip.train.device_audit import DataDependentOutputException, DeviceAuditError, FakeDevice, is_fake
-from fewclip.train.engine import FitData, TrainConfig
+from fewclip.training.device_audit import DataDependentOutputException, DeviceAuditError, FakeDevice, is_fake
+from fewclip.training.engine import FitData, TrainConfig
 from fewclip.adapter.exports import export_metadata
 from fewclip.features.encode import Features
 from fewclip.backbones.geometry import GEOMETRIES

@@ -8,11 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import fewclip.train.evals
+import fewclip.training.evals
 import fewclip.runs.sweep
 from fewclip.cli.main import main
 from fewclip.config.compose import ConfigError
-from fewclip.train.engine import COOP_EPOCHS, TrainConfig, cosine_lr, epochs_for
+from fewclip.training.engine import COOP_EPOCHS, TrainConfig, cosine_lr, epochs_for
 from fewclip.runs.sweep import load_sweep_config, plan_sweep
 from fewclip.runs.run import load_train_config
 
@@ -131,7 +131,7 @@ def test_interrupted_run_leaves_no_metrics(tmp_path, monkeypatch, capsys):
         calls.append(1)
         raise RuntimeError("power cut")
 
-    monkeypatch.setattr(fewclip.train.evals, "evaluate", broken)
+    monkeypatch.setattr(fewclip.training.evals, "evaluate", broken)
     out = tmp_path / "run"
     assert main([*TRAIN, f"out={out}"]) == 1  # an unexpected error: one message, no trace
     err = capsys.readouterr().err
@@ -144,7 +144,7 @@ def test_interrupted_run_leaves_no_metrics(tmp_path, monkeypatch, capsys):
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(fewclip.train.evals, "evaluate", interrupt)
+    monkeypatch.setattr(fewclip.training.evals, "evaluate", interrupt)
     assert main([*TRAIN, f"out={out}"]) == 130
     assert "interrupted" in capsys.readouterr().err
     assert not (out / "metrics.json").exists() and not leftovers(out)
@@ -338,7 +338,7 @@ def test_a_run_leaves_the_global_rng_alone(tmp_path, shapes):
 
 
 def test_make_optimizer():
-    from fewclip.train.engine import make_optimizer
+    from fewclip.training.engine import make_optimizer
 
     p = [torch.nn.Parameter(torch.zeros(2))]
     sgd = make_optimizer(p, TrainConfig(lr=0.1, momentum=0.8, weight_decay=0.01))

@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from fewclip.cli.main import main
 from fewclip.config.compose import ConfigError
-from fewclip.train.engine import cosine_lr
+from fewclip.training.engine import cosine_lr
 from fewclip.utils.explog import LogConfig, WandbConfig, final_scalars, for_sweep_cell, wandb_mode
 from fewclip.runs.run import load_train_config, run_train
 from fewclip.runs.sweep import load_sweep_config

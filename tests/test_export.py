@@ -14,7 +14,8 @@ from fewclip.backbones.backbone import BackboneConfig, load_backbone
 from fewclip.cli.main import main
 from fewclip.datasets import DataConfig, build_dataset, read_split
 from fewclip.adapters.coop_export import FORMAT_VERSION, read_prompts
-from fewclip.adapter.exports import METADATA_KEY, ExportError, backbone_identity, check_backbone, export_run, load_prompts
+from fewclip.adapter.exports import METADATA_KEY, ExportError, backbone_identity, check_backbone, load_prompts
+from fewclip.runs.export import export_run
 from fewclip.runs.run import load_train_config
 
 N_CTX, K = 4, 3

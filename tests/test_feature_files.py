@@ -10,7 +10,7 @@ import fewclip
 from fewclip.cli.main import main
 from fewclip.datasets import DataConfig, build_dataset
 from fewclip.features.feature_file import read_feature_file, write_feature_file
-from fewclip.train.on_features import fit_features, read_features
+from fewclip.training.on_features import fit_features, read_features
 
 
 @pytest.fixture(autouse=True)
@@ -160,7 +160,7 @@ FEATURE_METHODS = ["clap", "clip_adapter", "gda", "linear_probe", "lpp", "proker
 
 def test_the_methods_that_run_on_features_are_the_cached_feature_methods(colours):
     from fewclip.features.feature_file import dataset_backbone
-    from fewclip.train.on_features import feature_methods
+    from fewclip.training.on_features import feature_methods
 
     bb = dataset_backbone(build_dataset(DataConfig(name="features", path=str(colours))))
     assert feature_methods(bb) == sorted(FEATURE_METHODS + ["zeroshot"])

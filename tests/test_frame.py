@@ -99,6 +99,58 @@ def test_no_import_cycle_and_few_imports_inside_functions():
     assert inner <= MAX_INNER_IMPORTS, f"{inner} imports inside functions (at most {MAX_INNER_IMPORTS})"
 
 
+# The core's subpackages, bottom up: each imports only from its own layer and those below it (counting imports
+# inside functions). `fewclip` itself (the Python API) and fewclip.version sit outside the layers.
+LAYERS = ("utils", "data", "config", "backbones", "features", "adapter", "training", "runs", "report", "cli")
+MAX_TOP_MODULES = 8
+
+
+def test_each_layer_imports_only_from_the_layers_below_it():
+    graph, _ = module_graph()
+    rank = {name: i for i, name in enumerate(LAYERS)}
+
+    def layer(module):
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 and parts[1] in rank else None
+
+    upward = sorted(f"{m} -> {t}" for m in graph if layer(m) for t in graph[m]
+                    if layer(t) and rank[layer(t)] > rank[layer(m)])
+    assert upward == []
+    assert {p.name for p in (ROOT / "fewclip").iterdir() if p.is_dir() and (p / "__init__.py").exists()} >= set(LAYERS)
+
+
+def test_few_modules_at_the_top_of_the_package():
+    top = sorted(p.name for p in (ROOT / "fewclip").glob("*.py"))
+    assert len(top) <= MAX_TOP_MODULES, top
+
+
+def test_importing_a_method_loads_no_run_or_sweep_machinery():
+    """A method is a file over the contract: importing it must not pull in runs, records, locks, sweeps or
+    reports (a plugin author's import stays small)."""
+    code = ("import sys, fewclip.adapters.coop; "
+            "print(sorted(m for m in sys.modules if m.startswith(('fewclip.runs', 'fewclip.report', "
+            "'fewclip.utils.locks', 'fewclip.cli'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def test_old_module_names_still_resolve_with_a_warning():
+    import warnings
+
+    import fewclip.backbones
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load = fewclip.backbones.load_backbone
+    from fewclip.backbones.backbone import load_backbone
+
+    assert load is load_backbone
+    assert any(issubclass(w.category, DeprecationWarning) and "fewclip.backbones.backbone" in str(w.message)
+               for w in caught)
+    with pytest.raises(AttributeError):
+        fewclip.backbones.no_such_name  # noqa: B018
+
+
 def test_the_core_imports_no_method_or_dataset_module():
     """Methods and datasets import the core; the core finds them through the registry (entry points)."""
     graph, _ = module_graph()

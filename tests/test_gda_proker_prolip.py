@@ -17,7 +17,8 @@ from fewclip.adapters._cache import self_similarity
 from fewclip.adapters.proker import ProKeR, ProKeRConfig, grid, kernel, solve_cg, solve_direct, tile_dtype
 from fewclip.adapters.prolip import ProLIP, ProLIPConfig
 from fewclip.backbones.backbone import BackboneError
-from fewclip.train.engine import FitData, NonFiniteError, TrainConfig
+from fewclip.training.engine import FitData, TrainConfig
+from fewclip.utils.errors import NonFiniteError
 from fewclip.features.encode import FeatureCache, Features
 from fewclip.features.store import FeatureStore
 from fewclip.backbones.geometry import make_geometry

@@ -13,8 +13,9 @@ from safetensors import safe_open
 import fewclip
 from fewclip.adapters import ADAPTERS, EXPORT_FORMATS, Adapter, AdapterConfig, ExportFormat, register_adapter
 from fewclip.cli.main import main
-from fewclip.train.engine import CachedFeatures, train_loop
-from fewclip.adapter.exports import METADATA_KEY, ExportError, PrototypeClassifier, export_run
+from fewclip.training.engine import CachedFeatures, train_loop
+from fewclip.adapter.exports import METADATA_KEY, ExportError, PrototypeClassifier
+from fewclip.runs.export import export_run
 from fewclip.features.encode import FeatureCache, text_prototypes
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -218,7 +219,7 @@ class Hooked(Bias):
 
 def test_the_loop_calls_the_adapters_loss_backward_and_epoch_hooks(shapes):
     from fewclip.backbones.backbone import BackboneConfig, load_backbone
-    from fewclip.train.engine import TrainConfig
+    from fewclip.training.engine import TrainConfig
     from fewclip.features.encode import Features
 
     bb = load_backbone(BackboneConfig(name="toy-clip", device="cpu"))

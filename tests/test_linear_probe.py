@@ -18,7 +18,7 @@ from fewclip.adapters.linear_probe import (
 )
 from fewclip.backbones.backbone import REFERENCE_DIR, Backbone, BackboneConfig, build_open_clip_model, load_backbone
 from fewclip.datasets import make_few_shot_split
-from fewclip.train.engine import FitData, TrainConfig
+from fewclip.training.engine import FitData, TrainConfig
 from fewclip.features.encode import Features, extract_features, text_prototypes
 from fewclip.backbones.geometry import GEOMETRIES, make_geometry
 from fewclip.backbones.tokenizer import WordTokenizer

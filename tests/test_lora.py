@@ -12,7 +12,7 @@ from fewclip.adapters.lora import LoRA, LoRAConfig
 from fewclip.backbones.attention import SplitAttention
 from fewclip.backbones.backbone import backbone_config_from_dict, build_open_clip_model, load_backbone
 from fewclip.config.compose import ConfigError
-from fewclip.train.engine import TrainConfig, total_steps
+from fewclip.training.engine import TrainConfig, total_steps
 from fewclip.adapter.exports import load_prompts
 from fewclip.features.encode import text_prototypes
 from fewclip.runs.run import load_train_config, run_train
@@ -189,7 +189,7 @@ def test_a_run_trains_and_tests_through_the_adapted_image_tower(lora_run):
 
 def test_export_both_formats_and_predict(lora_run, tmp_path, shapes):
     from fewclip.cli.main import main
-    from fewclip.adapter.exports import export_run
+    from fewclip.runs.export import export_run
 
     out, m = lora_run
     exported = export_run(out, tmp_path / "export", merge=True)
@@ -240,7 +240,7 @@ def test_export_both_formats_and_predict(lora_run, tmp_path, shapes):
 
 def test_export_refuses_another_backbone(lora_run, tmp_path):
     from fewclip.adapter.exports import ExportError
-    from fewclip.adapter.exports import export_run
+    from fewclip.runs.export import export_run
 
     out, _ = lora_run
     with pytest.raises(ExportError, match="a LoRA export is a folder"):

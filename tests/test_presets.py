@@ -18,7 +18,7 @@ from fewclip.adapter.base import ADAPTERS, adapter_info
 from fewclip.adapters.clap import Clap, PooledViews
 from fewclip.cli.main import main
 from fewclip.config.compose import ConfigError
-from fewclip.train.engine import FitData, TrainConfig
+from fewclip.training.engine import FitData, TrainConfig
 from fewclip.features.encode import Features
 from fewclip.config.presets import (FEWCLIP, PRESETS, Preset, PresetError, Setting, describe_presets, get_preset, markdown_rows,
                              parse_label, presets_of, register_presets)

@@ -16,7 +16,7 @@ from fewclip.cli.main import main
 from fewclip.config.compose import ConfigError
 from fewclip.datasets import DataConfig, build_dataset
 from fewclip.data.protocols import base_new_classes, harmonic_mean, make_plan, read_protocol_split
-from fewclip.train.evals import describe_evals, scorer_for
+from fewclip.training.evals import describe_evals, scorer_for
 from fewclip.features.encode import FeatureCache, text_prototypes
 from fewclip.report import build_report
 from fewclip.runs.sweep import load_sweep_config, plan_sweep

@@ -15,21 +15,9 @@ import torch
 from fewclip.runs import records
 from fewclip.utils import locks
 from fewclip.utils.io import atomic_write, atomic_write_text
-from fewclip.runs.records import (
-    RECORD_KEY,
-    NonFiniteError,
-    RunExistsError,
-    RunLock,
-    RunLockedError,
-    check_finite,
-    claim_run,
-    clear_run,
-    config_changes,
-    open_run,
-    remove_leftovers,
-    run_identity,
-    run_state,
-)
+from fewclip.runs.records import (RECORD_KEY, RunExistsError, RunLock, RunLockedError, check_finite, claim_run,
+    clear_run, config_changes, open_run, remove_leftovers, run_identity, run_state)
+from fewclip.utils.errors import NonFiniteError
 
 
 @dataclass

@@ -13,7 +13,8 @@ from fewclip.adapters.skiptuning import (SkipTuning, SkipTuningConfig, always_ru
                                         skip_classes)
 from fewclip.backbones.backbone import _card_model_config, build_open_clip_model, read_card, shipped_cards
 from fewclip.config.compose import ConfigError
-from fewclip.adapter.exports import export_run, load_prompts, read_metadata
+from fewclip.adapter.exports import load_prompts, read_metadata
+from fewclip.runs.export import export_run
 from fewclip.features.encode import text_prototypes
 from fewclip.runs.run import load_train_config, run_train
 from fewclip.data.splits import test_items as run_test_items

@@ -14,7 +14,8 @@ import fewclip
 from fewclip.adapters import ADAPTERS, Adapter, AdapterConfig, adapter_info, build_adapter, register_adapter
 from fewclip.adapter.state_export import FORMAT, STATE, AdapterClassifier
 from fewclip.cli.main import main
-from fewclip.adapter.exports import METADATA_KEY, ExportError, export_run
+from fewclip.adapter.exports import METADATA_KEY, ExportError
+from fewclip.runs.export import export_run
 from fewclip.features.encode import text_prototypes
 
 RUN = ["data=toy-shapes", "shots=1", "seed=1", "data.max_test=16", "backbone.device=cpu", "data.templates=single"]

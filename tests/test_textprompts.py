@@ -19,7 +19,7 @@ from fewclip.adapters.prograd import ProGrad, ProGradConfig
 from fewclip.adapters.tcp import TCP, TCPConfig
 from fewclip.backbones.backbone import BackboneConfig, load_backbone
 from fewclip.cli.main import main
-from fewclip.train.engine import CachedFeatures, TrainConfig, train_loop
+from fewclip.training.engine import CachedFeatures, TrainConfig, train_loop
 from fewclip.features.encode import Features, text_prototypes
 from test_coop import CARD_GEOMETRIES, CLASSNAMES, SHAPES, image_features, tiny_model_config, write_card
 
@@ -463,7 +463,7 @@ def test_sweep_and_report(tmp_path, capsys):
 
 def test_adam_adds_weight_decay_to_the_gradient():
     """train.optimizer=adam is Adam with L2 weight decay (Dassl's, TCP's); adamw decouples it."""
-    from fewclip.train.engine import make_optimizer
+    from fewclip.training.engine import make_optimizer
 
     p = torch.nn.Parameter(torch.tensor([1.0, -2.0]))
     opt = make_optimizer([p], TrainConfig(optimizer="adam", lr=0.1, eps=1e-3, weight_decay=0.5))

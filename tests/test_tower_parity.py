@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from fewclip.adapters.clip_svd import ClipSVD, ClipSVDConfig
 from fewclip.backbones.backbone import OPENAI_EXTRA_KEYS, Backbone
-from fewclip.train.engine import TrainConfig, make_optimizer
+from fewclip.training.engine import TrainConfig, make_optimizer
 from fewclip.backbones.geometry import make_geometry
 from tiny_clip import state_sha256, tiny_images, tiny_openai_state_dict
 

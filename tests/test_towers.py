@@ -115,7 +115,8 @@ def test_a_run_trains_the_singular_values(svd_run):
 def test_export_merge_and_predict(svd_run, tmp_path, shapes):
     from fewclip.backbones.backbone import _card_model_config, read_card, shipped_cards
     from fewclip.cli.main import main
-    from fewclip.adapter.exports import export_run, read_metadata
+    from fewclip.adapter.exports import read_metadata
+    from fewclip.runs.export import export_run
 
     out, m = svd_run
     path = export_run(out, tmp_path / "svd.safetensors", merge=True).path
@@ -230,7 +231,7 @@ def twosfs_run(tmp_path_factory, shapes):
 
 def test_2sfs_run_ends_in_stage_two_and_exports(twosfs_run, tmp_path, shapes):
     from fewclip.backbones.backbone import _card_model_config, read_card, shipped_cards
-    from fewclip.adapter.exports import export_run
+    from fewclip.runs.export import export_run
 
     out, m = twosfs_run
     assert m["method"] == "2sfs" and m["steps"] == 6

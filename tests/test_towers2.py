@@ -16,8 +16,8 @@ from fewclip.adapters.dept import DePT, DePTConfig
 from fewclip.adapters.maple import MaPLe
 from fewclip.adapters.mmrl import MMRL, MMRLConfig
 from fewclip.cli.main import main
-from fewclip.train.engine import CachedFeatures, TrainConfig, train_loop
-from fewclip.adapter.exports import export_run
+from fewclip.training.engine import CachedFeatures, TrainConfig, train_loop
+from fewclip.runs.export import export_run
 from fewclip.features.encode import Features, text_prototypes
 from test_coop import CARD_GEOMETRIES, SHAPES
 from test_deep import CLASSNAMES, TOY, cards, load, pixels, snapshot, unchanged  # noqa: F401 (fixture)

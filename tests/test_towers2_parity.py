@@ -15,7 +15,7 @@ from fewclip.adapters.coprompt import CoPrompt, CoPromptConfig
 from fewclip.adapters.dept import DePT, DePTConfig
 from fewclip.adapters.mmrl import MMRL, MMRLConfig
 from fewclip.backbones.backbone import OPENAI_EXTRA_KEYS, Backbone
-from fewclip.train.engine import TrainConfig, cosine_lr, make_optimizer
+from fewclip.training.engine import TrainConfig, cosine_lr, make_optimizer
 from fewclip.backbones.geometry import make_geometry
 from tiny_clip import state_sha256, tiny_images, tiny_openai_state_dict
 

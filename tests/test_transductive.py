@@ -1,4 +1,4 @@
-"""TransCLIP (fewclip.train.transductive) against its authors' code, in every geometry, its caveat, and the run key.
+"""TransCLIP (fewclip.training.transductive) against its authors' code, in every geometry, its caveat, and the run key.
 
 Fixtures: tests/fixtures/cache_ref/transclip.* (numbers only; README there). The authors' ``TransCLIP_solver`` ran
 on small synthetic unit-norm features (5 classes, D = 32, 60 test images, 4 shots, 20 validation images) in
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from fewclip.backbones.geometry import GEOMETRIES, make_geometry
-from fewclip.train.transductive import transclip
+from fewclip.training.transductive import transclip
 
 FIXTURES = Path(__file__).parent / "fixtures" / "cache_ref"
 TOL = 1e-5  # probabilities after 11 x 5 z-updates, 10 mean and variance updates

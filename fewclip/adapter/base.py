@@ -18,13 +18,13 @@ gives no choice). ``build_adapter`` looks the name up.
 
 How an adapter is trained (``trained_by``):
 
-* ``"loop"``: by the engine's gradient loop (``fewclip.train.engine.train_loop``):
+* ``"loop"``: by the engine's gradient loop (``fewclip.training.engine.train_loop``):
   ``forward(features) -> logits``, cross-entropy, the ``train`` section's
   optimiser, on the batches of the run's feature source (cached augmented
   views, un-augmented features, or fresh pixels through ``encode_images`` when
   ``trains_image_tower``). CoOp, LoRA.
 * ``"fit"``: by its own ``fit(data)``, on features the engine encodes once
-  (``fewclip.train.engine.FitData``: the un-augmented training images,
+  (``fewclip.training.engine.FitData``: the un-augmented training images,
   ``fit_views()`` augmented views of them, the validation images, the run's
   ``train`` section, shots and generator). ``fit`` may run the engine's loop
   itself: ``train_loop(self, CachedFeatures(data.views, data.val), data.cfg,
@@ -71,7 +71,7 @@ class Adapter(nn.Module):
     # run's feature cache, computed once per image and view.
     wants_frozen_features: bool = False
     # The name of the method that runs the text tower at every training step (``text_features``), which
-    # ``train.compile`` compiles (``fewclip.train.compiled``); None: nothing to compile.
+    # ``train.compile`` compiles (``fewclip.training.compiled``); None: nothing to compile.
     text_step: Optional[str] = None
     # Overrides of the run's ``train`` section defaults for this adapter (e.g. its own optimiser).
     train_defaults: Dict[str, object] = {}
@@ -143,7 +143,7 @@ class Adapter(nn.Module):
         return 0
 
     def fit(self, data) -> Dict:
-        """Train on ``data`` (a ``fewclip.train.engine.FitData``); returns what to record in metrics.json."""
+        """Train on ``data`` (a ``fewclip.training.engine.FitData``); returns what to record in metrics.json."""
         raise NotImplementedError(f"adapter {self.name!r} is trained by the loop, not fit()")
 
     def encode_images(self, pixels: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 ``fewclip.adapter.base``).
 
 An adapter opts in with ``register_adapter(NAME, Config, Adapter, export=STATE)``. ``fewclip export RUN_DIR
-[-o FILE]`` then writes (``fewclip.adapter.exports.export_run`` rebuilds the run's adapter and calls ``write``):
+[-o FILE]`` then writes (``fewclip.runs.export.export_run`` rebuilds the run's adapter and calls ``write``):
 
 * tensors: the adapter's own state dict (``adapter.adapter_state_dict()``: its parameters and persistent
   buffers, exactly what the run saved in ``adapter.safetensors``);

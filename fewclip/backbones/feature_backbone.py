@@ -4,12 +4,12 @@ What the methods that train on cached features ask of a backbone is small: its `
 become points, how prototypes average, how logits are formed) and, for the class prototypes, the text tower's
 output for each prompt (``encode_text``). A ``FeatureBackbone`` is exactly that: a geometry and a table from
 each prompt (a template filled with a class name) to its raw text-tower output. Image features come from
-elsewhere (a feature file, ``fewclip.features.feature_file``; tensors, ``fewclip.train.on_features``), so it has no
+elsewhere (a feature file, ``fewclip.features.feature_file``; tensors, ``fewclip.training.on_features``), so it has no
 image tower, and no text tower to run on new words or on learned prompt vectors.
 
 A method that needs a tower (prompt learning runs the text tower on context vectors; LoRA and deep prompts
 change the towers; anything that encodes images) fails on it with ``TowerMissing``, and
-``fewclip.train.on_features.check_runs_on_features`` turns that into one line naming the method and why, before a run starts.
+``fewclip.training.on_features.check_runs_on_features`` turns that into one line naming the method and why, before a run starts.
 """
 from __future__ import annotations
 

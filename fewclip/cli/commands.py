@@ -17,8 +17,9 @@ from fewclip.backbones.backbone import describe_backbone_source, list_backbones
 from fewclip.cli.main import COMMAND_HELP  # the usage lines live with the light entry point
 from fewclip.config.compose import ConfigError, RunConfig, compose, describe_config, load_config, to_object
 from fewclip.data.base import DATASETS, build_dataset, dataset_name
-from fewclip.train.evals import describe_evals
-from fewclip.adapter.exports import export_run, load_prompts
+from fewclip.training.evals import describe_evals
+from fewclip.adapter.exports import load_prompts
+from fewclip.runs.export import export_run
 from fewclip.config.compose import FeaturesConfig
 from fewclip.cli.features import cmd_features as features_command
 from fewclip.features.encode import FeatureCache

@@ -66,7 +66,7 @@ class RunConfig:
         "name changed, no split_file); empty: the protocol's default targets of `data.name`.")})
     transductive: str = field(default="none", metadata={"help": (
         "Score the test set(s) a second time with a transductive plug-in on top of the method's logits, using the "
-        "whole test set's features (fewclip.train.transductive): none, or transclip (metrics.json: top1_transclip).")})
+        "whole test set's features (fewclip.training.transductive): none, or transclip (metrics.json: top1_transclip).")})
     log: LogConfig = field(default_factory=LogConfig, metadata={"help": (
         "Experiment logging (fewclip.utils.explog): log=tensorboard, log=wandb or log=[tensorboard,wandb]; default none.")})
 

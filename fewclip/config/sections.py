@@ -2,7 +2,7 @@
 ``backbone`` (with its local-attention windows), ``train`` and the built-in launchers' ``launcher`` sections.
 
 They live here, not beside the code that uses them (``fewclip.backbones.backbone``, ``fewclip.backbones.attention``,
-``fewclip.train.engine``, ``fewclip.runs.launch``, which import torch and re-export them), so that composing a config and
+``fewclip.training.engine``, ``fewclip.runs.launch``, which import torch and re-export them), so that composing a config and
 ``fewclip COMMAND --help`` never load torch or open_clip (``fewclip.cli.quickhelp``). Each field's help is in its
 ``metadata={"help": ...}`` (``fewclip.config.help``).
 """
@@ -185,7 +185,7 @@ def backbone_config_from_dict(d: Dict[str, Any]) -> BackboneConfig:
 # train
 # ---------------------------------------------------------------------------
 
-# The prompt methods' text step compiled or not (fewclip.train.compiled).
+# The prompt methods' text step compiled or not (fewclip.training.compiled).
 COMPILE_MODES = ("auto", "on", "off")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 AMP_MODES = ("auto", "bf16", "fp16", "none")
@@ -222,7 +222,7 @@ class TrainConfig:
         'included), or "none".')})
     compile: str = field(default="auto", metadata={"help": (
         'The prompt methods\' text step compiled and the optimiser fused: "auto" (measured on the run\'s first '
-        'steps, fewclip.train.compiled), "on" or "off".')})
+        'steps, fewclip.training.compiled), "on" or "off".')})
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:

@@ -27,7 +27,7 @@ from fewclip.data.splits import derive_seed
 from fewclip.backbones.backbone import Backbone
 from fewclip.utils.errors import os_error_message
 from fewclip.utils.progress import progress
-from fewclip.features.store import address
+from fewclip.features.address import address
 
 log = logging.getLogger(__name__)
 

@@ -43,11 +43,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from fewclip.backbones.feature_backbone import FeatureBackbone, TowerMissing
+from fewclip.backbones.feature_backbone import FeatureBackbone
 from fewclip.backbones.geometry import make_geometry
 from fewclip.utils.io import atomic_write
 
-from fewclip.adapter.base import ADAPTERS, AdapterConfig, AdapterError, build_adapter
 from fewclip.backbones.backbone import backbone_config_from_dict, load_backbone
 from fewclip.data.base import SPLITS, DataConfig, Dataset, DatasetError, Item, build_dataset, check_classnames
 from fewclip.features.encode import class_text_features
@@ -261,40 +260,6 @@ def build_feature_dataset(cfg: DataConfig) -> FeatureDataset:
 # ---------------------------------------------------------------------------
 # how runs, sweeps and exports take the backbone a feature file brings
 # ---------------------------------------------------------------------------
-
-
-def check_runs_on_features(cfg: AdapterConfig, backbone: FeatureBackbone) -> None:
-    """Build the method once on ``backbone``; a method that needs a tower is an ``AdapterError`` of one line
-    naming the method, what it needs and the methods that run on features."""
-    try:
-        build_adapter(cfg, backbone, backbone.classnames, backbone.templates[:1])
-    except TowerMissing as e:
-        raise AdapterError(f"method {cfg.name!r} cannot run on image features alone: it needs {e}. Methods that "
-                           f"run on features: {', '.join(feature_methods(backbone))}") from None
-
-
-def feature_methods(backbone: FeatureBackbone) -> List[str]:
-    """The registered methods that build on a feature backbone (with their default config)."""
-    ok = []
-    for name, info in sorted(ADAPTERS.items()):
-        try:
-            build_adapter(info.config_cls(), backbone, backbone.classnames, backbone.templates[:1])
-        except Exception:  # a tower it needs (TowerMissing), or anything else: not listed
-            continue
-        ok.append(name)
-    return ok
-
-
-def backbone_of(dataset, cfg, load):
-    """A run's backbone: the one its dataset brings (a feature file), checked against the run's method, else
-    ``load(cfg.backbone)``."""
-    own = dataset_backbone(dataset)
-    if own is None:
-        return load(cfg.backbone)
-    adapter = getattr(cfg, "adapter", None)
-    if adapter is not None:
-        check_runs_on_features(adapter, own)
-    return own
 
 
 def export_backbone(run_cfg) -> Optional[FeatureBackbone]:

@@ -52,35 +52,27 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
-import torchvision
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fewclip.utils.checksums import weights_checksum
 from fewclip.utils.io import atomic_write, atomic_write_text
 from fewclip.utils.locks import RunLock
 
 from fewclip.data.image_fingerprint import changed, fingerprint, verify_mode
+from fewclip.features.address import FORMAT, VERSION, VIEW_CODE_VERSION, address, describe_transform  # noqa: F401
 
 log = logging.getLogger(__name__)
 
 STORE_ENV = "FEWCLIP_CACHE"
-FORMAT = "fewclip.features"
-# 2: entries carry their images' fingerprint and a checksum; 3: a tower with a linear projection keeps its features
-# before it (``Backbone.stored_variant``), the projected ones derived (v2 entries are not read: encoded again)
-VERSION = 3
 ADDRESS_FILE = "address.json"
 OFF = ("off", "none", "false", "no", "0")
-# Bump when the augmentation's draws or the evaluation pixels change for the same settings.
-VIEW_CODE_VERSION = 1
 
 
 def default_root() -> Path:
@@ -134,35 +126,7 @@ def entry_checksum(x: torch.Tensor, ids_json: str, source_json: str) -> str:
     return h.hexdigest()
 
 
-def describe_transform(transform) -> str:
-    """A transform's repr without memory addresses (open_clip's pipeline holds a plain function)."""
-    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(transform))
 
-
-def address(backbone, dataset, view, batch_size: int) -> Dict[str, Any]:
-    """The group address of the features of ``dataset``'s images through ``backbone``'s frozen image tower,
-    as ``view`` (None: the backbone's evaluation transform), encoded in batches of ``batch_size``."""
-    if view is None:
-        transform = {"kind": "eval", "transform": describe_transform(backbone.preprocess()),
-                     "preprocess": backbone.preprocess_cfg.to_dict()}  # fill colour, mean, std: not all in the repr
-    else:
-        transform = {"kind": "view", "augment": asdict(view.augment), "seed": int(view.seed),
-                     "index": int(view.index), "code": VIEW_CODE_VERSION}
-    root = getattr(dataset, "root", None)
-    return {
-        "format": FORMAT,
-        "version": VERSION,
-        "backbone": backbone.name,
-        "weights": weights_checksum(backbone),
-        "variant": backbone.variant,
-        "precision": str(backbone.dtype).replace("torch.", ""),
-        "device": backbone.device.type,
-        "dataset": dataset.name,
-        "data_root": str(Path(root).resolve()) if root else None,
-        "transform": transform,
-        "batch_size": int(batch_size),
-        "torchvision": ".".join(torchvision.__version__.split("+")[0].split(".")[:2]),
-    }
 
 
 class StoreGroup:

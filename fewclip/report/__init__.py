@@ -37,7 +37,7 @@ Conventions (also stated in ``report.md``):
 * Published results (``fewclip.report.published``): where runs match the setting of a published result
   (``fewclip published``), ``report.md`` gets a "Published results" section and ``published.csv`` is written:
   the runs' mean, the published value and the gap in standard errors of the seeds.
-* Cost (runs whose ``metrics.json`` records it, ``fewclip.train.cost``): per
+* Cost (runs whose ``metrics.json`` records it, ``fewclip.training.cost``): per
   backbone, a table of (method, shots) with the mean over that backbone's runs
   (every dataset and seed) of trainable parameters, training time, wall time,
   images encoded and peak memory (the CUDA allocator's peak for runs on a GPU,
@@ -47,7 +47,7 @@ Conventions (also stated in ``report.md``):
   against training time and against images encoded.
 
 Generalisation protocols (runs whose ``metrics.json`` has ``protocol`` other
-than ``fewshot`` and ``evals`` per test set, ``fewclip.train.evals``) get a table per
+than ``fewshot`` and ``evals`` per test set, ``fewclip.training.evals``) get a table per
 protocol and backbone instead of the few-shot tables and figures:
 
 * ``base2new``, CoCoOp's Table 1: per dataset and method, Base, New (each the

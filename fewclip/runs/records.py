@@ -40,7 +40,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
-from fewclip.utils.errors import RunFailure
+from fewclip.utils.errors import NonFiniteError, RunError  # noqa: F401  (re-exported: where runs raise them)
 from omegaconf import OmegaConf
 
 from fewclip.config.compose import load_yaml
@@ -71,10 +71,6 @@ LATER_KEY_DEFAULTS = {"protocol": "fewshot", "targets": [], "data.reader": None,
                       "transductive": "none", "data.fewshot_file": None, "preset": "fewclip", "preset_set": {}}
 
 
-class RunError(RunFailure):
-    """A run that cannot start or cannot be recorded as finished; the message says what to do."""
-
-
 class RunDirError(RunError):
     """An output folder that cannot be one: a file in the way, or a place where no folder can be made."""
 
@@ -85,10 +81,6 @@ class RunExistsError(RunError):
     """The directory holds another run's results and overwriting was not asked for."""
 
     exit_code = 2
-
-
-class NonFiniteError(RunError):
-    """A NaN or infinite loss, metric or adapter tensor."""
 
 
 # ---------------------------------------------------------------------------

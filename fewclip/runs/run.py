@@ -2,12 +2,12 @@
 
 A run directory holds ``config.yaml`` (the resolved config), ``split.json``
 (the few-shot image ids), ``adapter.safetensors`` (adapter tensors only) and
-``metrics.json`` (accuracy and cost: ``fewclip.train.cost``); an adapter that trains
+``metrics.json`` (accuracy and cost: ``fewclip.training.cost``); an adapter that trains
 on nothing (zeroshot) has no split and no tensors. Under a generalisation
 protocol (``protocol=base2new``, ``cross_dataset``, ``domain_shift``: see
 ``fewclip.data.protocols``) a run trains on its plan's training dataset
 (the base classes, or the source), is scored on every test set of the plan
-(``fewclip.train.evals``), keeps ``top1`` on its training classes and adds ``evals``
+(``fewclip.training.evals``), keeps ``top1`` on its training classes and adds ``evals``
 per test set to ``metrics.json``, and writes the plan with its split as data in
 ``protocol.json``. Every file is written
 atomically and fsynced, and ``metrics.json`` last, with a record of the run's
@@ -38,19 +38,19 @@ from fewclip.adapter.base import AdapterConfig, adapter_info, build_adapter
 from fewclip.backbones.backbone import Backbone, BackboneConfig, load_backbone
 from fewclip.config.compose import (ConfigError, RunConfig, TrainRunFields, compose, find_yaml, load_yaml, section_name_of,
                      split_args, to_object, to_yaml, train_base)
-from fewclip.train.cost import RunCost
+from fewclip.training.cost import RunCost
 from fewclip.data.base import DataConfig, Dataset, build_dataset
-from fewclip.train.engine import RunFeatures, TrainConfig, evaluate, fit_adapter
-from fewclip.train.evals import score_plan
+from fewclip.training.engine import RunFeatures, TrainConfig, evaluate, fit_adapter
+from fewclip.training.evals import score_plan
 from fewclip.utils.explog import check as check_log, logging_run
-from fewclip.features.feature_file import backbone_of
+from fewclip.training.on_features import backbone_of
 from fewclip.features.encode import FeatureCache, extract_features
 from fewclip.utils.io import atomic_write, atomic_write_text
 from fewclip.config.presets import (check_test_choice, get_preset, in_effect, method_label, preset_name_of,
                       preset_overrides)
 from fewclip.data.protocols import ProtocolPlan, harmonic_mean, make_plan, write_protocol_split
 from fewclip.runs.records import Identity, Run, RunLock, config_dict, data_part, open_run, run_identity, weights_checksum
-from fewclip.train.transductive import rescore_plan
+from fewclip.training.transductive import rescore_plan
 from fewclip.data.splits import TEST_SUBSET_SEED, FewShotSplit, make_few_shot_split, test_items, write_split
 from fewclip.data.split_files import split_from_file
 

@@ -35,6 +35,14 @@ class RunFailure(FewclipError, RuntimeError):
     exit_code = 1
 
 
+class RunError(RunFailure):
+    """A run that cannot start or cannot be recorded as finished; the message says what to do."""
+
+
+class NonFiniteError(RunError):
+    """A NaN or infinite loss, metric or adapter tensor."""
+
+
 def take_debug_flag(args: Sequence[str]) -> Tuple[bool, List[str]]:
     """(debug requested, the arguments without ``--debug``)."""
     rest = [a for a in args if a != DEBUG_FLAG]

@@ -29,7 +29,7 @@ and the run goes on. A backend whose library is missing is refused before the ru
 command (:func:`check`).
 
 The run opens its logger (:func:`logging_run`, in ``fewclip.runs.run``) and the training loop reports to whichever
-is open (:func:`current`), so a fit-style adapter whose ``fit`` runs ``fewclip.train.engine.train_loop`` is logged
+is open (:func:`current`), so a fit-style adapter whose ``fit`` runs ``fewclip.training.engine.train_loop`` is logged
 too, without a logger in every signature. This module imports neither torch nor the logging libraries until
 a backend is opened: the config dataclasses here are read by ``fewclip --help``.
 """

@@ -27,7 +27,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from fewclip.utils.progress import quiet_bars
 from fewclip.utils.errors import describe
 from fewclip.utils.explog import LogConfig, for_sweep_cell
-from fewclip.runs.records import RunError
+from fewclip.utils.errors import RunError
 from fewclip.runs.records import RECORD_KEY, claim_run, clear_run, read_metrics, run_state
 from fewclip.runs.run import load_train_config, run_train
 from fewclip.features.encode import FeatureCache

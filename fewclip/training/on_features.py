@@ -7,7 +7,7 @@ In Python::
 
 ``fit_features`` builds a ``fewclip.backbones.feature_backbone.FeatureBackbone`` (the geometry and the class text
 features), writes nothing, and trains the method exactly as a run does: the same adapter, config defaults,
-``train`` section and engine (``fewclip.train.engine.fit_adapter``), on a few-shot split that is every training row
+``train`` section and engine (``fewclip.training.engine.fit_adapter``), on a few-shot split that is every training row
 given. What comes back scores new features and exports in the method's own format.
 
 On the command line a feature file is a dataset (``data=features data.path=F.safetensors``:
@@ -22,16 +22,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from fewclip.adapter.base import adapter_info, build_adapter
+from fewclip.adapter.base import ADAPTERS, AdapterConfig, AdapterError, adapter_info, build_adapter
 from fewclip.data.base import Item
 from fewclip.data.splits import FewShotSplit
-from fewclip.features.feature_file import (FeatureDataset, backbone_from_export, backbone_of, check_runs_on_features,  # noqa: F401
-                           dataset_backbone, export_backbone, feature_backbone, feature_methods, read_feature_file)
+from fewclip.features.feature_file import (FeatureDataset, backbone_from_export,  # noqa: F401
+                                           dataset_backbone, export_backbone, feature_backbone, read_feature_file)
 
 from fewclip.version import __version__
-from fewclip.train.engine import RunFeatures, TrainConfig, fit_adapter
+from fewclip.training.engine import RunFeatures, TrainConfig, fit_adapter
 from fewclip.adapter.exports import ExportError, backbone_metadata
-from fewclip.backbones.feature_backbone import FeatureBackbone, content_sha256
+from fewclip.backbones.feature_backbone import FeatureBackbone, TowerMissing, content_sha256
 from fewclip.backbones.geometry import Geometry, make_geometry
 
 Pair = Tuple[Tensor, Tensor]
@@ -129,3 +129,42 @@ def read_features(path) -> Dict[str, Any]:
     bb = feature_backbone(ff, name=f"features:{Path(path).name}")
     return {**{s: ff.splits.get(s) for s in ("train", "val", "test")}, "classnames": ff.classnames,
             "templates": ff.templates, "text": bb.text, "geometry": bb.geometry, "views": ff.views}
+
+
+# ---------------------------------------------------------------------------
+# how runs, sweeps and exports take the backbone a feature file brings
+# ---------------------------------------------------------------------------
+
+
+def check_runs_on_features(cfg: AdapterConfig, backbone: FeatureBackbone) -> None:
+    """Build the method once on ``backbone``; a method that needs a tower is an ``AdapterError`` of one line
+    naming the method, what it needs and the methods that run on features."""
+    try:
+        build_adapter(cfg, backbone, backbone.classnames, backbone.templates[:1])
+    except TowerMissing as e:
+        raise AdapterError(f"method {cfg.name!r} cannot run on image features alone: it needs {e}. Methods that "
+                           f"run on features: {', '.join(feature_methods(backbone))}") from None
+
+
+def feature_methods(backbone: FeatureBackbone) -> List[str]:
+    """The registered methods that build on a feature backbone (with their default config)."""
+    ok = []
+    for name, info in sorted(ADAPTERS.items()):
+        try:
+            build_adapter(info.config_cls(), backbone, backbone.classnames, backbone.templates[:1])
+        except Exception:  # a tower it needs (TowerMissing), or anything else: not listed
+            continue
+        ok.append(name)
+    return ok
+
+
+def backbone_of(dataset, cfg, load):
+    """A run's backbone: the one its dataset brings (a feature file), checked against the run's method, else
+    ``load(cfg.backbone)``."""
+    own = dataset_backbone(dataset)
+    if own is None:
+        return load(cfg.backbone)
+    adapter = getattr(cfg, "adapter", None)
+    if adapter is not None:
+        check_runs_on_features(adapter, own)
+    return own

@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from fewclip.data.protocols import EvalSet, ProtocolPlan, harmonic_mean, restrict_logits
 
-from fewclip.train.engine import RunFeatures, evaluate
+from fewclip.training.engine import RunFeatures, evaluate
 from fewclip.data.splits import test_items
 
 log = logging.getLogger(__name__)

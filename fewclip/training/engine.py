@@ -44,11 +44,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from fewclip.train.compiled import StepTuner
-from fewclip.train.cost import RunCost
+from fewclip.training.compiled import StepTuner
+from fewclip.training.cost import RunCost
 from fewclip.utils.explog import current as experiment_log
 from fewclip.features.encode import Augment, FeatureCache, Features, View, accuracy, extract_features, progress
-from fewclip.runs.records import NonFiniteError
+from fewclip.utils.errors import NonFiniteError
 from fewclip.utils.rng import forked_global_rng
 from fewclip.config.sections import AMP_MODES, OPTIMIZERS, TrainConfig  # noqa: F401  (re-exported: the train section)
 
@@ -85,7 +85,7 @@ def cosine_lr(step: int, total: int, warmup: int, base: float, warmup_lr: float)
 
 def make_optimizer(params, cfg: TrainConfig, fused: bool = False) -> torch.optim.Optimizer:
     """The optimiser of the ``train`` section: SGD (lr, momentum, weight decay), Adam (lr, L2 weight decay, eps)
-    or AdamW (lr, decoupled weight decay, eps); ``fused``: torch's fused kernel (``fewclip.train.compiled``)."""
+    or AdamW (lr, decoupled weight decay, eps); ``fused``: torch's fused kernel (``fewclip.training.compiled``)."""
     params = list(params)
     extra = {"fused": True} if fused else {}
     if cfg.optimizer == "sgd":

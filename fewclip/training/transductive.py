@@ -51,11 +51,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fewclip.train.engine import RunFeatures, amp_autocast
-from fewclip.train.evals import scorer_for
+from fewclip.training.engine import RunFeatures, amp_autocast
+from fewclip.training.evals import scorer_for
 from fewclip.features.encode import accuracy
 from fewclip.backbones.geometry import Geometry
-from fewclip.runs.records import NonFiniteError
+from fewclip.utils.errors import NonFiniteError
 from fewclip.data.splits import test_items
 
 log = logging.getLogger(__name__)
@@ -230,7 +230,7 @@ def check_mode(mode: str) -> str:
 def rescore_plan(mode: str, adapter, plan, evals: Dict[str, Dict[str, Any]], *, templates: str,
                  max_test: Optional[int], train_cfg, seed: int, cache=None, cost=None, batch_size: int = 256,
                  workers: int = 0, amp: str = "none") -> Dict[str, Any]:
-    """Every test set of ``plan`` that ``evals`` (``fewclip.train.evals.score_plan``'s result) scored, scored a second
+    """Every test set of ``plan`` that ``evals`` (``fewclip.training.evals.score_plan``'s result) scored, scored a second
     time with ``mode`` on top of the adapter's logits, using that test set's features (read again through the
     run's feature cache, so nothing is encoded twice for a frozen image tower). Adds ``top1_<mode>`` and
     ``per_class_<mode>`` to each entry of ``evals`` in place; returns ``{"transductive": mode,
