@@ -12,28 +12,28 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from omegaconf import OmegaConf
 
+from fewclip import api
 from fewclip.adapter.base import ADAPTERS, adapter_info
 from fewclip.backbones.backbone import describe_backbone_source, list_backbones
 from fewclip.cli.main import COMMAND_HELP  # the usage lines live with the light entry point
 from fewclip.config.compose import ConfigError, RunConfig, compose, describe_config, load_config, to_object
-from fewclip.data.base import DATASETS, build_dataset, dataset_name
+from fewclip.data.base import DATASETS, build_dataset
 from fewclip.training.evals import describe_evals
 from fewclip.adapter.exports import load_prompts
 from fewclip.runs.export import export_run
 from fewclip.config.compose import FeaturesConfig
 from fewclip.cli.features import cmd_features as features_command
-from fewclip.features.encode import FeatureCache
 from fewclip.backbones.importer import formats_usage, import_from_args
 from fewclip.cli.quickhelp import HEADER
 from fewclip.utils.logs import setup_logging  # fewclip's lines at the chosen level, other libraries' from WARNING up
 from fewclip.runs.records import prepare_dir
-from fewclip.report import NoRunsFoundError, write_report
+from fewclip.report import write_report
 from fewclip.config.report import ReportOptions
 from fewclip.config.presets import describe_presets, presets_of
-from fewclip.runs.run import as_train_config, load_train_config, preset_defaults, run_train
-from fewclip.features.store import FeatureStore, matches_dataset, open_store, store_setting, under_root
+from fewclip.runs.run import as_train_config, load_train_config, preset_defaults
+from fewclip.features.store import FeatureStore, matches_dataset, store_setting, under_root
 from fewclip.data.split_files import SplitOptions, export_split, import_split
-from fewclip.runs.sweep import load_sweep_config, run_sweep, sweep_lock
+from fewclip.runs.sweep import load_sweep_config
 
 log = logging.getLogger("fewclip")
 
@@ -105,16 +105,12 @@ def cmd_datasets(args: Sequence[str]) -> int:
     return 0
 
 
-def _store_cache():
-    """A feature cache backed by the feature store ($FEWCLIP_CACHE, default ~/.cache/fewclip/features)."""
-    return FeatureCache(open_store())
-
-
 def cmd_zeroshot(args: Sequence[str]) -> int:
     cfg: RunConfig = load_config(args, RunConfig)
     setup_logging(cfg.log_level)
-    out = run_dir(cfg.out, f"runs/zeroshot/{_protocol_prefix(cfg)}{Path(cfg.backbone.name).stem}_{dataset_name(cfg.data)}")
-    metrics = run_train(as_train_config(cfg, adapter_info("zeroshot").config_cls()), out, cache=_store_cache())
+    run = api.run_config(as_train_config(cfg, adapter_info("zeroshot").config_cls()),
+                         default=api.default_zeroshot_dir(cfg))
+    metrics, out = run.metrics, run.dir
     if "evals" in metrics:
         print(f"zero-shot, {_protocol_words(metrics)}: {_evals_line(metrics)} with {metrics['backbone']} "
               f"[{metrics['geometry']}] -> {out / 'metrics.json'}")
@@ -135,10 +131,6 @@ def _fewer_words(m) -> str:
     return f" (fewest {min(got.values())} per class)" if got and min(got.values()) < m.get("shots", 0) else ""
 
 
-def _protocol_prefix(cfg) -> str:
-    return "" if cfg.protocol == "fewshot" else f"{cfg.protocol}_"
-
-
 def _protocol_words(m) -> str:
     where = "on" if m["protocol"] == "base2new" else "from"
     return f"{m['protocol']} {where} {m['dataset']}"
@@ -152,9 +144,8 @@ def _evals_line(m) -> str:
 def cmd_train(args: Sequence[str]) -> int:
     cfg = load_train_config(args)
     setup_logging(cfg.log_level)
-    out = run_dir(cfg.out, f"runs/train/{_protocol_prefix(cfg)}{Path(cfg.backbone.name).stem}_{dataset_name(cfg.data)}"
-                           f"_{cfg.adapter.name}_{cfg.shots}shot_seed{cfg.seed}")
-    m = run_train(cfg, out, cache=_store_cache())
+    run = api.run_config(cfg)
+    m, out = run.metrics, run.dir
     if "evals" in m:
         print(f"{m['method']} {cfg.shots}-shot{_fewer_words(m)} seed {cfg.seed}, {_protocol_words(m)}: "
               f"{_evals_line(m)}, {m['train_time_s']:.1f} s -> {out}")
@@ -167,8 +158,8 @@ def cmd_train(args: Sequence[str]) -> int:
 def cmd_sweep(args: Sequence[str]) -> int:
     cfg = load_sweep_config(args)
     setup_logging(cfg.log_level)
-    out = run_dir(cfg.out, "runs/sweep")
-    counts = run_sweep(cfg, out)
+    result = api.sweep(args=args)
+    counts, out = result.counts, result.out
     if counts.get("dry_run"):
         return 0
     extra = "".join(f", {counts[k]} {what}" for k, what in (("rerun", "of them rerun (identity changed)"),
@@ -177,19 +168,12 @@ def cmd_sweep(args: Sequence[str]) -> int:
                                                             ("replaced", "since replaced by another config"))
                     if counts.get(k))
     print(f"sweep: {counts['planned']} runs, {counts['done_before']} already done, {counts['ran']} ran{extra} -> {out}")
-    failures = counts.get("failures") or []
-    if cfg.report:
-        try:
-            with sweep_lock(out, cfg.lock_timeout_s):
-                rep = write_report(out)
-            print(rep.markdown)
-            print("report: " + ", ".join(str(p) for p in rep.paths.values()))
-        except NoRunsFoundError:
-            if not failures:
-                raise
-    if failures:
-        print(f"\nsweep: {len(failures)} run(s) failed; the next `fewclip sweep` with this config runs them again:")
-        for r in failures:
+    if result.report is not None:
+        print(result.report.markdown)
+        print("report: " + ", ".join(str(p) for p in result.report.paths.values()))
+    if result.failures:
+        print(f"\nsweep: {len(result.failures)} run(s) failed; the next `fewclip sweep` with this config runs them again:")
+        for r in result.failures:
             print(f"  {r.spec.dir}: {r.error}\n    log: {r.log}")
         return 1
     return 0
