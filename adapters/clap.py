@@ -54,7 +54,7 @@ CONSTRAINTS = ("l2", "none")
 
 @dataclass
 class ClapConfig(AdapterConfig):
-    name: str = "clap"
+    name: str = field(default="clap", metadata={"help": "The method (`fewclip adapters` lists them)."})
     views: int = field(default=20, metadata={"help": (
         "Augmented views of each training image trained on (the authors' epochs_aumentation).")})
     constraint: str = field(default="l2", metadata={"help": (

@@ -45,7 +45,7 @@ from fewclip.config.presets import Preset, Setting, register_presets
 
 @dataclass
 class ClipAdapterConfig(AdapterConfig):
-    name: str = "clip_adapter"
+    name: str = field(default="clip_adapter", metadata={"help": "The method (`fewclip adapters` lists them)."})
     reduction: int = field(default=4, metadata={"help": 'Hidden width of the MLP: D / reduction.'})
     ratio: float = field(default=0.2, metadata={"help": (
         "Weight of the MLP's output in the blend with the features (0: zero-shot).")})

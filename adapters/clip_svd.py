@@ -40,7 +40,7 @@ from fewclip.config.presets import Preset, Setting, register_presets
 
 @dataclass
 class ClipSVDConfig(AdapterConfig):
-    name: str = "clip_svd"
+    name: str = field(default="clip_svd", metadata={"help": "The method (`fewclip adapters` lists them)."})
     targets: str = field(default="q,k,v,o,mlp", metadata={
         "help": "comma list of the matrices whose singular values are learned: q, k, v, o (attention output), "
                 "mlp (both MLP layers); CLIP-SVD's default is all of them"})

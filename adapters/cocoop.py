@@ -50,9 +50,11 @@ TOKENS_PER_PASS = 1 << 15
 
 @dataclass
 class CoCoOpConfig(CoOpConfig):
-    name: str = "cocoop"
-    n_ctx: int = 4
-    ctx_init: Optional[str] = "a photo of a"
+    name: str = field(default="cocoop", metadata={"help": "The method (`fewclip adapters` lists them)."})
+    n_ctx: int = field(default=4, metadata={"help": (
+        "Number of context vectors (ignored when ctx_init is given: the words decide).")})
+    ctx_init: Optional[str] = field(default="a photo of a", metadata={"help": (
+        'Initial words of the context (CoCoOp: "a photo of a"); null = random init.')})
     reduction: int = field(default=16, metadata={"help": (
         "Hidden width of the meta-network: image-feature width // reduction (16 in the authors' code).")})
     meta_init: str = field(default="default", metadata={"help": (

@@ -41,15 +41,17 @@ from fewclip.adapters.coop_export import PROMPTS
 
 @dataclass
 class CoOpConfig(AdapterConfig):
-    name: str = "coop"
+    name: str = field(default="coop", metadata={"help": "The method (`fewclip adapters` lists them)."})
     n_ctx: int = field(default=16, metadata={"help": (
         'Number of context vectors (ignored when ctx_init is given: the words decide).')})
     ctx_init: Optional[str] = field(default=None, metadata={"help": (
         'Initial words, e.g. "a photo of a"; null = random init.')})
     csc: bool = field(default=False, metadata={"help": (
         'Class-specific context: one context per class instead of one shared.')})
-    class_token_position: str = "end"
-    init_std: float = 0.02
+    class_token_position: str = field(default="end", metadata={"help": (
+        'Where the class name goes: "end" (after the context), "middle" or "front".')})
+    init_std: float = field(default=0.02, metadata={"help": (
+        "Standard deviation of the random context initialisation (normal, mean 0).")})
 
     def __post_init__(self) -> None:
         if self.class_token_position not in POSITIONS:

@@ -61,7 +61,7 @@ DISTILL = ("cosine", "mse")
 
 @dataclass
 class CoPromptConfig(MaPLeConfig):
-    name: str = "coprompt"
+    name: str = field(default="coprompt", metadata={"help": "The method (`fewclip adapters` lists them)."})
     adapter_reduction: int = field(default=4, metadata={"help": "bottleneck reduction of the feature adapters"})
     image_adapter_ratio: float = field(default=0.1, metadata={"help": "weight of the image adapter's output"})
     text_adapter_ratio: float = field(default=0.2, metadata={"help": "weight of the text adapter's output"})

@@ -54,7 +54,7 @@ LEARNERS = ("coop", "maple")
 
 @dataclass
 class DePTConfig(AdapterConfig):
-    name: str = "dept"
+    name: str = field(default="dept", metadata={"help": "The method (`fewclip adapters` lists them)."})
     learner: str = field(default="coop", metadata={"help": "the prompt learner under the head: coop or maple"})
     n_ctx: int = field(default=16, metadata={"help": "context vectors (coop: ignored when ctx_init gives words; "
                                                       "maple: tokens per layer)"})

@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class GDAConfig(AdapterConfig):
-    name: str = "gda"
+    name: str = field(default="gda", metadata={"help": "The method (`fewclip adapters` lists them)."})
     views: int = field(default=10, metadata={"help": "augmented views of each training image in the class "
                                                      "means and covariance (the authors' augment_epoch)"})
     alphas: List[float] = field(default_factory=lambda: [1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0],

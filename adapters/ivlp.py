@@ -37,15 +37,17 @@ from fewclip.config.presets import Preset, Setting, register_presets
 
 @dataclass
 class IVLPConfig(AdapterConfig):
-    name: str = "ivlp"
+    name: str = field(default="ivlp", metadata={"help": "The method (`fewclip adapters` lists them)."})
     n_ctx_text: int = field(default=4, metadata={"help": 'Learnable tokens per prompted layer in each tower.'})
-    n_ctx_vision: int = 4
+    n_ctx_vision: int = field(default=4, metadata={"help": "Learnable prompt tokens per image-tower layer."})
     depth_text: int = field(default=9, metadata={"help": (
         "Prompted layers 0 .. depth-1 in each tower (1: input only; 0: none; beyond the tower's layers: all).")})
-    depth_vision: int = 9
+    depth_vision: int = field(default=9, metadata={"help": (
+        "Image-tower layers that get prompts, from the first (deep prompting).")})
     ctx_init: Optional[str] = field(default="a photo of a", metadata={"help": (
         'Words whose first n_ctx_text tokens initialise the layer-0 text prompt; null = N(0, init_std).')})
-    init_std: float = 0.02
+    init_std: float = field(default=0.02, metadata={"help": (
+        "Standard deviation of the prompts' random initialisation (normal, mean 0).")})
     checkpointing: bool = field(default=False, metadata={"help": (
         "Recompute each block's activations in the backward pass instead of keeping them (less memory).")})
 

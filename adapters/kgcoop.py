@@ -32,9 +32,11 @@ from fewclip.adapters.coop import CoOp, CoOpConfig
 
 @dataclass
 class KgCoOpConfig(CoOpConfig):
-    name: str = "kgcoop"
-    n_ctx: int = 4
-    ctx_init: Optional[str] = "a photo of a"
+    name: str = field(default="kgcoop", metadata={"help": "The method (`fewclip adapters` lists them)."})
+    n_ctx: int = field(default=4, metadata={"help": (
+        "Number of context vectors (ignored when ctx_init is given: the words decide).")})
+    ctx_init: Optional[str] = field(default="a photo of a", metadata={"help": (
+        'Initial words of the context (KgCoOp: "a photo of a"); null = random init.')})
     weight: float = field(default=8.0, metadata={"help": (
         "Weight of the distance to the hand-crafted class points (the authors' W; 8.0 in their scripts).")})
 

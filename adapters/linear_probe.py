@@ -252,17 +252,18 @@ def _embed_dim(backbone) -> int:
 
 @dataclass
 class LinearProbeConfig(AdapterConfig):
-    name: str = "linear_probe"
+    name: str = field(default="linear_probe", metadata={"help": "The method (`fewclip adapters` lists them)."})
     c_min: float = field(default=1e-6, metadata={"help": (
         "Range of C (inverse L2 regularisation, scikit-learn's convention) searched on validation.")})
-    c_max: float = 1e6
+    c_max: float = field(default=1e6, metadata={"help": (
+        "Largest inverse regularisation strength C searched (the grid runs from c_min to c_max in log space).")})
     grid_points: int = field(default=13, metadata={"help": (
         'Log-spaced starting grid over [c_min, c_max]; 13 is one point per decade.')})
     refine_steps: int = field(default=3, metadata={"help": (
         'Binary-search halvings around the best grid point; 3 ends at 8 steps per decade.')})
     max_iter: int = field(default=1000, metadata={"help": (
         'L-BFGS iterations per fit, and its stopping tolerance on the largest gradient entry.')})
-    tol: float = 1e-6
+    tol: float = field(default=1e-6, metadata={"help": "L-BFGS stops when the largest gradient entry is below this."})
     refit: str = field(default="train", metadata={"help": (
         'Data of the final fit at the chosen C: "train" (CoOp\'s baseline) or "train+val" (CLIP).')})
 
@@ -361,7 +362,7 @@ class LinearProbe(Adapter):
 
 @dataclass
 class ZSProbeConfig(AdapterConfig):
-    name: str = "zs_probe"
+    name: str = field(default="zs_probe", metadata={"help": "The method (`fewclip adapters` lists them)."})
     lr: float = field(default=0.01, metadata={"help": (
         "Adam step relative to the class vectors' size (per coordinate: lr * mean ||v0|| / sqrt(D)).")})
     epochs: int = field(default=200, metadata={"help": (

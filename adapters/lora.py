@@ -68,10 +68,11 @@ def _peft():
 
 @dataclass
 class LoRAConfig(AdapterConfig):
-    name: str = "lora"
-    rank: int = 2
-    alpha: float = 1.0
-    dropout: float = 0.25
+    name: str = field(default="lora", metadata={"help": "The method (`fewclip adapters` lists them)."})
+    rank: int = field(default=2, metadata={"help": "Rank r of each low-rank update B A (CLIP-LoRA: 2)."})
+    alpha: float = field(default=1.0, metadata={"help": "Scale of the update: W + (alpha / r) B A (CLIP-LoRA: 1)."})
+    dropout: float = field(default=0.25, metadata={"help": (
+        "Dropout on the input of each low-rank update during training (CLIP-LoRA: 0.25).")})
     targets: str = field(default="q,k,v", metadata={"help": (
         'Comma list of q, k, v (each on its own), o (attention output projection) and mlp (both MLP Linears).')})
     towers: str = field(default="both", metadata={"help": '"text", "vision" or "both".'})

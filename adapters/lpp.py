@@ -71,7 +71,7 @@ BIAS_INITS = ("zero", "linear")
 
 @dataclass
 class LPPConfig(AdapterConfig):
-    name: str = "lpp"
+    name: str = field(default="lpp", metadata={"help": "The method (`fewclip adapters` lists them)."})
     epochs: int = field(default=300, metadata={"help": "Full-batch epochs (the authors' train_epoch)."})
     alpha_every: int = field(default=10, metadata={"help": 'alpha takes a step every this many epochs.'})
     alpha_grad: str = field(default="last", metadata={"help": (

@@ -38,14 +38,15 @@ from fewclip.config.presets import Preset, register_presets
 
 @dataclass
 class MaPLeConfig(AdapterConfig):
-    name: str = "maple"
+    name: str = field(default="maple", metadata={"help": "The method (`fewclip adapters` lists them)."})
     n_ctx: int = field(default=2, metadata={"help": (
         'Learnable tokens per prompted layer (the same in both towers).')})
     depth: int = field(default=9, metadata={"help": (
         "Prompted layers 0 .. depth-1 (1: input only; beyond a tower's layers: all of them).")})
     ctx_init: Optional[str] = field(default="a photo of a", metadata={"help": (
         'Words whose first n_ctx tokens initialise the layer-0 text prompt; null = N(0, init_std).')})
-    init_std: float = 0.02
+    init_std: float = field(default=0.02, metadata={"help": (
+        "Standard deviation of the prompts' random initialisation (normal, mean 0).")})
     checkpointing: bool = field(default=False, metadata={"help": (
         "Recompute each block's activations in the backward pass instead of keeping them (less memory).")})
 

@@ -64,7 +64,7 @@ from fewclip.config.presets import Preset, Setting, register_presets
 
 @dataclass
 class MMRLConfig(AdapterConfig):
-    name: str = "mmrl"
+    name: str = field(default="mmrl", metadata={"help": "The method (`fewclip adapters` lists them)."})
     n_rep_tokens: int = field(default=5, metadata={"help": "representation tokens (their N_REP_TOKENS)"})
     rep_dim: int = field(default=512, metadata={"help": "width of the representation space (their REP_DIM)"})
     rep_depth: int = field(default=7, metadata={"help": "the last rep_depth layers of each tower get the tokens "

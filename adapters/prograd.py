@@ -38,10 +38,11 @@ from fewclip.adapters.coop import CoOp, CoOpConfig
 
 @dataclass
 class ProGradConfig(CoOpConfig):
-    name: str = "prograd"
+    name: str = field(default="prograd", metadata={"help": "The method (`fewclip adapters` lists them)."})
     n_ctx: int = field(default=16, metadata={"help": (
         "Context vectors; with ctx_init the last ones start as its words' embeddings and the rest at zero.")})
-    ctx_init: Optional[str] = "a photo of a"
+    ctx_init: Optional[str] = field(default="a photo of a", metadata={"help": (
+        'Initial words of the context (ProGrad: "a photo of a"); null = random init.')})
     lam: float = field(default=1.0, metadata={"help": (
         'lambda: how much of the conflicting component is removed (1.0: all of it; 0: plain CoOp).')})
     temperature: float = field(default=1.0, metadata={"help": (

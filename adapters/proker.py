@@ -68,7 +68,7 @@ FLOAT32_KERNEL_TOL = 1e-6  # largest difference of float32 kernel entries (at mo
 
 @dataclass
 class ProKeRConfig(AdapterConfig):
-    name: str = "proker"
+    name: str = field(default="proker", metadata={"help": "The method (`fewclip adapters` lists them)."})
     views: int = field(default=10, metadata={"help": "augmented views of each training image, each a training "
                                                      "point (the authors' --augment-epoch)"})
     beta_grid: List[float] = field(default_factory=lambda: [0.5, 3.0, 20],

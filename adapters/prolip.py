@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ProLIPConfig(AdapterConfig):
-    name: str = "prolip"
+    name: str = field(default="prolip", metadata={"help": "The method (`fewclip adapters` lists them)."})
     views: int = field(default=300, metadata={"help": "augmented views of each training image, one per epoch "
                                                       "in turn (the authors' aug_views)"})
     epochs: int = field(default=300, metadata={"help": "full-batch Adam steps (the authors' train_epoch)"})

@@ -73,14 +73,19 @@ def imagenet60_templates() -> List[str]:
 
 @dataclass
 class PromptSRCConfig(IVLPConfig):
-    name: str = "promptsrc"
-    text_loss_weight: float = 25.0
-    image_loss_weight: float = 10.0
-    kl_weight: float = 1.0
+    name: str = field(default="promptsrc", metadata={"help": "The method (`fewclip adapters` lists them)."})
+    text_loss_weight: float = field(default=25.0, metadata={"help": (
+        "Weight of the L1 pull of the prompted text features towards the frozen ones (PromptSRC: 25).")})
+    image_loss_weight: float = field(default=10.0, metadata={"help": (
+        "Weight of the L1 pull of the prompted image features towards the frozen ones (PromptSRC: 10).")})
+    kl_weight: float = field(default=1.0, metadata={"help": (
+        "Weight of the KL divergence between prompted and zero-shot logits (PromptSRC: 1).")})
     gpa: bool = field(default=True, metadata={"help": (
         'Gaussian prompt aggregation over epochs (1-based epoch numbers).')})
-    gpa_mean: float = 15.0
-    gpa_std: float = 1.0
+    gpa_mean: float = field(default=15.0, metadata={"help": (
+        "Gaussian prompt aggregation: the epoch the weights peak at (PromptSRC: 15 of 20).")})
+    gpa_std: float = field(default=1.0, metadata={"help": (
+        "Gaussian prompt aggregation: standard deviation in epochs (PromptSRC: 1).")})
     teacher_templates: str = field(default="auto", metadata={"help": (
         '"auto", "imagenet60" (the authors\') or "dataset" (the run\'s templates): see the module docstring.')})
 

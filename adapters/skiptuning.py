@@ -53,7 +53,7 @@ from fewclip.config.presets import Preset, Setting, register_presets
 
 @dataclass
 class SkipTuningConfig(AdapterConfig):
-    name: str = "skiptuning"
+    name: str = field(default="skiptuning", metadata={"help": "The method (`fewclip adapters` lists them)."})
     start_layer: Optional[int] = field(default=None, metadata={
         "help": "blocks 0 .. start_layer-1 of both towers stay frozen and run without gradients; the blocks from "
                 "it up are tuned (their TRAINER.SKIP.START_LAYER, 6 of ViT-B/16's 12); null: half of each "

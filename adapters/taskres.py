@@ -43,7 +43,7 @@ from fewclip.config.presets import Preset, Setting, register_presets
 
 @dataclass
 class TaskResConfig(AdapterConfig):
-    name: str = "taskres"
+    name: str = field(default="taskres", metadata={"help": "The method (`fewclip adapters` lists them)."})
     scale: float = field(default=0.5, metadata={"help": "The residual's scale (the authors' RESIDUAL_SCALE)."})
 
     def __post_init__(self) -> None:

@@ -43,9 +43,11 @@ from fewclip.adapters.coop import CoOp, CoOpConfig
 
 @dataclass
 class TCPConfig(CoOpConfig):
-    name: str = "tcp"
-    n_ctx: int = 4
-    ctx_init: Optional[str] = None
+    name: str = field(default="tcp", metadata={"help": "The method (`fewclip adapters` lists them)."})
+    n_ctx: int = field(default=4, metadata={"help": (
+        "Number of context vectors (ignored when ctx_init is given: the words decide).")})
+    ctx_init: Optional[str] = field(default=None, metadata={"help": (
+        'Initial words of the context; null = random init (TCP: "a photo of a" from its config).')})
     weight: float = field(default=8.0, metadata={"help": (
         "Weight of the distance to the hand-crafted class points (8.0, hard-coded in the authors' tcp.py).")})
     reduction: int = field(default=4, metadata={"help": (

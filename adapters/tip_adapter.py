@@ -50,19 +50,22 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TipAdapterConfig(AdapterConfig):
-    name: str = "tip_adapter"
+    name: str = field(default="tip_adapter", metadata={"help": "The method (`fewclip adapters` lists them)."})
     views: int = field(default=10, metadata={"help": (
         "Augmented views of each training image averaged into its cache key (the authors' augment_epoch).")})
     init_beta: float = field(default=1.0, metadata={"help": (
         "beta and alpha without a search (the authors' init_beta, and ImageNet's init_alpha).")})
-    init_alpha: float = 1.17
+    init_alpha: float = field(default=1.17, metadata={"help": (
+        "alpha (the cache's weight in the logits) without a search.")})
     search: bool = field(default=True, metadata={"help": 'Search beta and alpha on the few-shot validation split.'})
     beta_max: float = field(default=7.0, metadata={"help": (
         "The grids: `steps` values from 0.1 up to, not including, `max` (ImageNet's search_scale and "
         'search_step).')})
-    beta_steps: int = 200
-    alpha_max: float = 3.0
-    alpha_steps: int = 20
+    beta_steps: int = field(default=200, metadata={"help": (
+        "Points of the beta grid searched on validation, over (0, beta_max].")})
+    alpha_max: float = field(default=3.0, metadata={"help": "Largest alpha searched on validation."})
+    alpha_steps: int = field(default=20, metadata={"help": (
+        "Points of the alpha grid searched on validation, over (0, alpha_max].")})
     tie_break: str = field(default="loss", metadata={"help": (
         'Among grid points of equal validation accuracy: "loss" (lowest cross-entropy) or "first" (the authors\').')})
 

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class TipAdapterFConfig(TipAdapterConfig):
-    name: str = "tip_adapter_f"
+    name: str = field(default="tip_adapter_f", metadata={"help": "The method (`fewclip adapters` lists them)."})
     train_views: int = field(default=10, metadata={"help": (
         'Cached views the keys are trained on, after the `views` of the cache: epoch e uses view views + e mod '
         'this.')})

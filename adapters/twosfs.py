@@ -48,7 +48,7 @@ ETA_MIN = 1e-6  # their CosineAnnealingLR(eta_min=1e-6), both stages
 
 @dataclass
 class TwoSFSConfig(AdapterConfig):
-    name: str = "2sfs"
+    name: str = field(default="2sfs", metadata={"help": "The method (`fewclip adapters` lists them)."})
     towers: str = field(default="both", metadata={"help": "text, vision or both: the towers whose LayerNorms "
                                                           "stage 1 tunes (their ln_modality)"})
     layers: str = field(default="all", metadata={

@@ -9,7 +9,7 @@ its runs have ``shots=0`` and no split.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -22,7 +22,7 @@ from fewclip.config.presets import Preset, register_presets
 
 @dataclass
 class ZeroShotConfig(AdapterConfig):
-    name: str = "zeroshot"
+    name: str = field(default="zeroshot", metadata={"help": "The method (`fewclip adapters` lists them)."})
 
 
 class ZeroShot(Adapter):

@@ -211,6 +211,43 @@ def test_help_comes_from_the_dataclasses_and_the_top_level_help_loads_no_torch()
     assert light.strip().endswith("False")
 
 
+def _config_dataclasses():
+    """Every config dataclass a command composes: the run, train, features, sweep, report and split trees with
+    every section under them, every registered method's and launcher's section."""
+    import dataclasses
+
+    from fewclip.config.compose import FeaturesConfig, RunConfig
+    from fewclip.config.report import ReportOptions
+    from fewclip.config.sweep import SweepConfig
+    from fewclip.data.split_files import SplitOptions
+    from fewclip.runs.run import TrainRunConfig
+
+    roots = [RunConfig, TrainRunConfig, FeaturesConfig, SweepConfig, ReportOptions, SplitOptions,
+             *(info.config_cls for _, info in ADAPTERS.items()), *(LAUNCHERS.get(n).config_cls for n in LAUNCHERS.names())]
+    seen, todo = [], list(roots)
+    while todo:
+        cls = todo.pop()
+        if cls in seen:
+            continue
+        seen.append(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            if dataclasses.is_dataclass(default):
+                todo.append(type(default))
+    return seen
+
+
+def test_every_config_field_has_help():
+    """Help is data: `fewclip COMMAND --help` prints each field's metadata help, so none may lack it."""
+    import dataclasses
+
+    classes = _config_dataclasses()
+    assert len(classes) > 40  # the walk found the sections, not just the roots
+    missing = [f"{c.__module__}.{c.__qualname__}.{f.name}" for c in classes for f in dataclasses.fields(c)
+               if not str(f.metadata.get("help", "")).strip()]
+    assert missing == []
+
+
 def test_long_work_without_a_terminal_is_never_silent(tmp_path):
     """Run with stderr to a pipe (as under nohup or SLURM), the log has a line at least every progress interval
     (here 1 s instead of 10 s, so the test is short): phases, encodings and training epochs with their loss."""
@@ -233,7 +270,7 @@ def test_long_work_without_a_terminal_is_never_silent(tmp_path):
     # From the first line on (before it: Python's start-up), every gap longer than a few intervals ends with a
     # progress line whose phase advanced: a line is due at the end of the first unit of work (a training step, a
     # batch of images) after the interval, so a longer gap is one slow unit on a busy machine, not a silent phase.
-    unit = re.compile(r"fewclip\.progress: (.+?): at (\d+)/\d+ ")
+    unit = re.compile(r"fewclip\.utils\.progress: (.+?): at (\d+)/\d+ ")
     done, ours = {}, [(s, line) for s, line in zip(stamps, lines) if " fewclip." in line]  # not torch's warnings
     stamps, lines = [s for s, _ in ours], [line for _, line in ours]
     for a, b, line in zip(stamps, stamps[1:], lines[1:]):

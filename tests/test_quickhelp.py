@@ -95,4 +95,4 @@ def test_every_package_folder_is_installed():
         for init in (ROOT / folder).rglob("__init__.py"):
             parts = init.parent.relative_to(ROOT / folder).parts
             assert ".".join([package, *parts]) in installed, f"{init.parent} is missing from pyproject's packages"
-    assert "adapter_index.json" in tool["package-data"]["fewclip"]
+    assert "index.json" in tool["package-data"]["fewclip.adapter"]

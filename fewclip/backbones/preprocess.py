@@ -28,7 +28,7 @@ The resize modes (open_clip's names):
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import open_clip
 
@@ -62,12 +62,19 @@ def _triple(value: Any, name: str) -> Tuple[float, float, float]:
 class PreprocessConfig:
     """The evaluation preprocessing of a backbone (open_clip's ``PreprocessCfg`` fields, checked)."""
 
-    size: int = 224
-    resize_mode: str = "shortest"
-    interpolation: str = "bicubic"
-    mean: Tuple[float, float, float] = OPENAI_MEAN
-    std: Tuple[float, float, float] = OPENAI_STD
-    fill_color: int = 0
+    size: int = field(default=224, metadata={"help": (
+        "Input side in pixels: images are resized to it, then centre-cropped (or padded) to size x size.")})
+    resize_mode: str = field(default="shortest", metadata={"help": (
+        '"shortest": shorter side to size, centre crop; "longest": longer side to size, padded with fill_color; '
+        '"squash": both sides to size (aspect ratio changed).')})
+    interpolation: str = field(default="bicubic", metadata={"help": (
+        'Resampling filter: "bicubic" (OpenAI CLIP) or "bilinear".')})
+    mean: Tuple[float, float, float] = field(default=OPENAI_MEAN, metadata={"help": (
+        "Per-channel mean subtracted after scaling to [0, 1] (RGB).")})
+    std: Tuple[float, float, float] = field(default=OPENAI_STD, metadata={"help": (
+        "Per-channel standard deviation divided by after the mean (RGB).")})
+    fill_color: int = field(default=0, metadata={"help": (
+        "Padding value (0-255) where resize_mode=longest pads the image to a square.")})
 
     def __post_init__(self) -> None:
         if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size <= 0:

@@ -47,12 +47,16 @@ class ConfigError(InputError):
 
 @dataclass
 class RunConfig:
-    backbone: BackboneConfig = field(default_factory=BackboneConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    backbone: BackboneConfig = field(default_factory=BackboneConfig, metadata={"help": (
+        "The frozen backbone: name, weights, geometry, precision, device (fewclip backbones lists them).")})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": (
+        "The dataset: name, root folder, templates, test-set size (fewclip datasets lists them).")})
     out: Optional[str] = field(default=None, metadata={"help": (
         'Run directory: config.yaml, metrics.json and the rest go here.')})
-    seed: int = 1
-    log_level: str = "info"
+    seed: int = field(default=1, metadata={"help": (
+        "The run's seed: its few-shot split, initialisation and data order (seed 0 is a seed too).")})
+    log_level: str = field(default="info", metadata={"help": (
+        'Log verbosity of fewclip\'s lines: "debug", "info", "warning" or "error".')})
     overwrite: bool = field(default=False, metadata={"help": (
         'Replace a finished run of another config in `out` (its files are removed first); without it such a '
         'directory is refused. A finished run of the same config is kept and shown unless this is set.')})
@@ -99,9 +103,12 @@ class TrainRunFields(RunConfig):
     """The fields of a training run's config. ``fewclip.runs.run.TrainRunConfig`` adds the checks that need the method
     registry; this one is torch-free, so ``fewclip train --help`` composes it without loading a method."""
 
-    shots: int = 16
-    adapter: AdapterConfig = field(default_factory=AdapterConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
+    shots: int = field(default=16, metadata={"help": (
+        "Training images per class (k of k-shot); a method that trains on nothing runs at 0.")})
+    adapter: AdapterConfig = field(default_factory=AdapterConfig, metadata={"help": (
+        "The method and its options: adapter=NAME, then adapter.OPTION=VALUE (fewclip adapters lists them).")})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": (
+        "Optimisation: optimiser, learning rate, schedule, batch size, feature caching, model selection.")})
     preset: str = field(default=FEWCLIP, metadata={"help": (
         'A named preset of the method\'s adapter.* and train.* settings (fewclip.config.presets): fewclip (its own '
         'defaults), authors (the authors\' released procedure), paper, ...; `fewclip adapters NAME` lists them. '
@@ -112,15 +119,20 @@ class TrainRunFields(RunConfig):
 
 @dataclass
 class FeaturesConfig:
-    backbone: BackboneConfig = field(default_factory=BackboneConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    backbone: BackboneConfig = field(default_factory=BackboneConfig, metadata={"help": (
+        "The frozen backbone whose image and text towers make the features.")})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": (
+        "The dataset whose images are encoded (train, val and test splits).")})
     # The feature file to write (.safetensors).
-    out: Optional[str] = None
+    out: Optional[str] = field(default=None, metadata={"help": "The feature file to write (.safetensors)."})
     # Augmented views of the training images to store (0: none; Tip-Adapter uses 10, Tip-Adapter-F and CLAP 20).
-    views: int = 0
+    views: int = field(default=0, metadata={"help": (
+        "Augmented views of the training images to store (0: none; Tip-Adapter uses 10, Tip-Adapter-F and CLAP "
+        "20).")})
     # The run seed the views are drawn for (view k of an image is the same pixels as in a run of this seed).
-    seed: int = 1
-    log_level: str = "info"
+    seed: int = field(default=1, metadata={"help": (
+        "The run seed the views are drawn for (view k of an image is the same pixels as in a run of this seed).")})
+    log_level: str = field(default="info", metadata={"help": 'Log verbosity: "debug", "info", "warning" or "error".'})
 
     def __post_init__(self) -> None:
         if self.views < 0:

@@ -26,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 class AdapterConfig:
     """Base of every adapter's config section; ``name`` selects the adapter."""
 
-    name: str = "coop"
+    name: str = field(default="coop", metadata={"help": "The method (`fewclip adapters` lists them)."})
 
 
 # ---------------------------------------------------------------------------
@@ -42,7 +42,8 @@ CLS_MODES = ("global", "local")
 class TextWindowConfig:
     """``backbone.local_attention.text``: window k (null = global attention) and the layers it applies to."""
 
-    window: Optional[int] = None
+    window: Optional[int] = field(default=None, metadata={"help": (
+        "Window k: each token attends to tokens at most k positions away; null = global attention.")})
     layers: str = field(default="all", metadata={"help": (
         '"all", "first:N", "last:N", or a comma list of layer indices ("0,2,-1").')})
     _tower = "text"
@@ -78,8 +79,10 @@ class VisionWindowConfig(TextWindowConfig):
 class LocalAttentionConfig:
     """``backbone.local_attention``: local-window self-attention in the frozen towers (off by default)."""
 
-    text: TextWindowConfig = field(default_factory=TextWindowConfig)
-    vision: VisionWindowConfig = field(default_factory=VisionWindowConfig)
+    text: TextWindowConfig = field(default_factory=TextWindowConfig, metadata={"help": (
+        "Local-window attention in the text tower (window, layers).")})
+    vision: VisionWindowConfig = field(default_factory=VisionWindowConfig, metadata={"help": (
+        "Local-window attention in the image tower (window, layers, shape, cls).")})
     impl: str = field(default="auto", metadata={"help": (
         '"auto": compiled FlexAttention where its block mask skips at least half the blocks of a sequence of 128+'
         ' tokens (and, on the CPU, no gradient flows through the attention), additive masks otherwise; "mask" or '
@@ -154,9 +157,12 @@ class BackboneConfig:
     geometry: Optional[str] = field(default=None, metadata={"help": (
         'Geometry override for open_clip architectures (default: clip, or sigmoid when the model has a logit '
         'bias).')})
-    precision: str = "fp32"
+    precision: str = field(default="fp32", metadata={"help": (
+        'Weights\' precision: "fp32", "fp16" or "bf16" (the towers stay frozen in it).')})
     device: str = field(default="auto", metadata={"help": '"auto" picks CUDA when available, else the CPU.'})
-    cache_dir: Optional[str] = None
+    cache_dir: Optional[str] = field(default=None, metadata={"help": (
+        "Where open_clip keeps downloaded weights; null = its default (~/.cache); nothing is fetched unless the "
+        "tag needs it.")})
     tokenizer: Optional[str] = field(default=None, metadata={"help": (
         'A local folder holding the Hugging Face tokenizer that the model names (SigLIP and other open_clip '
         'models with text_cfg.hf_tokenizer_name). Unset: only the local Hugging Face cache is searched, never the'
@@ -195,20 +201,25 @@ AMP_MODES = ("auto", "bf16", "fp16", "none")
 class TrainConfig:
     """The ``train`` section: optimisation and feature caching."""
 
-    optimizer: str = "sgd"
-    lr: float = 0.002
-    momentum: float = 0.9
-    weight_decay: float = 5e-4
+    optimizer: str = field(default="sgd", metadata={"help": (
+        'Optimiser of the trainable parameters: "sgd" (CoOp), "adam" or "adamw".')})
+    lr: float = field(default=0.002, metadata={"help": (
+        "Peak learning rate (after warm-up; cosine decay to 0 over the run).")})
+    momentum: float = field(default=0.9, metadata={"help": "SGD momentum (train.optimizer=sgd)."})
+    weight_decay: float = field(default=5e-4, metadata={"help": (
+        "Weight decay (L2 for sgd and adam, decoupled for adamw).")})
     eps: float = field(default=1e-8, metadata={"help": "Adam's and AdamW's epsilon (train.optimizer=adam|adamw)."})
     epochs: Optional[int] = field(default=None, metadata={"help": (
         "null = CoOp's schedule by shots (50/100/100/200/200 for 1/2/4/8/16).")})
     iterations: Optional[int] = field(default=None, metadata={"help": (
         'A number of optimiser steps instead of epochs: `iterations` in total, or `iterations_per_shot` x shots '
         '(CLIP-LoRA: 500 x shots). The first one set wins over `epochs`.')})
-    iterations_per_shot: Optional[int] = None
-    warmup_epochs: int = 1
-    warmup_lr: float = 1e-5
-    batch_size: int = 32
+    iterations_per_shot: Optional[int] = field(default=None, metadata={"help": (
+        "Optimiser steps per shot (CLIP-LoRA: 500): iterations = this x shots; null = use iterations or epochs.")})
+    warmup_epochs: int = field(default=1, metadata={"help": (
+        "Epochs at the constant warm-up rate warmup_lr before the schedule starts (CoOp: 1).")})
+    warmup_lr: float = field(default=1e-5, metadata={"help": "The constant learning rate of the warm-up epochs."})
+    batch_size: int = field(default=32, metadata={"help": "Training images per optimiser step."})
     augment_views: int = field(default=8, metadata={"help": (
         'Cached augmented views of the training images; 0 = encode every step (faithful, slow).')})
     augment: bool = field(default=True, metadata={"help": (
@@ -277,7 +288,7 @@ def _positive(cfg, keys, low: float = 1) -> None:
 class LocalConfig(LauncherConfig):
     """``launcher=local``: this process, or worker processes on this machine."""
 
-    name: str = "local"
+    name: str = field(default="local", metadata={"help": "Where the runs execute: local, ray or slurm (or a plugin's launcher)."})
     workers: int = field(default=1, metadata={"help": (
         "worker processes (1: the runs execute in the launching process, one after another); with GPUs, worker i "
         "uses GPU i modulo their number, without, the CPU threads are split between workers")})
@@ -290,7 +301,7 @@ class LocalConfig(LauncherConfig):
 class RayConfig(LauncherConfig):
     """``launcher=ray``: each run a Ray task (``pip install "fewclip[ray]"``)."""
 
-    name: str = "ray"
+    name: str = field(default="ray", metadata={"help": "Where the runs execute: local, ray or slurm (or a plugin's launcher)."})
     address: Optional[str] = field(default=None, metadata={"help": (
         '"auto" (the running cluster), a cluster address (ray://host:10001 or host:6379), or null: start a local '
         "cluster for this sweep, with `cpus` CPUs")})
@@ -318,7 +329,7 @@ class RayConfig(LauncherConfig):
 class SlurmConfig(LauncherConfig):
     """``launcher=slurm``: SLURM job arrays through submitit (``pip install "fewclip[slurm]"``)."""
 
-    name: str = "slurm"
+    name: str = field(default="slurm", metadata={"help": "Where the runs execute: local, ray or slurm (or a plugin's launcher)."})
     partition: Optional[str] = field(default=None, metadata={"help": "sbatch --partition of each array task"})
     gpus_per_task: int = field(default=1, metadata={"help": "GPUs of each array task"})
     cpus_per_task: int = field(default=4, metadata={"help": "CPUs of each array task"})

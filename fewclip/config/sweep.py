@@ -17,7 +17,8 @@ from fewclip.config.sections import LauncherConfig, LocalConfig
 
 @dataclass
 class SweepSpec:
-    backbones: List[str] = field(default_factory=lambda: ["toy-clip"])
+    backbones: List[str] = field(default_factory=lambda: ["toy-clip"], metadata={"help": (
+        "Backbones to run every method with (names, card paths or open_clip architectures).")})
     datasets: List[Any] = field(default_factory=lambda: ["toy-shapes"], metadata={"help": (
         "Each a registered dataset's name, a mapping of data keys ({name: folder, root: /data/pets}, named \"pets\" "
         "after its folder; {name: cars, reader: folder, root: PATH, templates: single}) or a YAML piece with a "
@@ -25,8 +26,10 @@ class SweepSpec:
     methods: List[str] = field(default_factory=lambda: ["zeroshot", "coop"], metadata={"help": (
         'A registered adapter name ("zeroshot", "coop", ...), one with a preset ("tip_adapter[authors]": '
         'adapter=tip_adapter preset=authors; folder tip_adapter-authors) or a label defined in `variants`.')})
-    shots: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
-    seeds: List[int] = field(default_factory=lambda: [1, 2, 3])
+    shots: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16], metadata={"help": (
+        "Shots per class; methods that train on nothing run once at 0 shots.")})
+    seeds: List[int] = field(default_factory=lambda: [1, 2, 3], metadata={"help": (
+        "Seeds: each (dataset, shots, seed) is one few-shot split shared by every method.")})
     args: List[str] = field(default_factory=list, metadata={"help": (
         'key=value overrides applied to every run (e.g. train.epochs=10, data.max_test=400).')})
     variants: Dict[str, List[str]] = field(default_factory=dict, metadata={"help": (
@@ -59,9 +62,11 @@ class SweepSpec:
 
 @dataclass
 class SweepConfig:
-    sweep: SweepSpec = field(default_factory=SweepSpec)
-    out: Optional[str] = None
-    log_level: str = "info"
+    sweep: SweepSpec = field(default_factory=SweepSpec, metadata={"help": (
+        "The grid: backbones, datasets, methods, shots, seeds and the arguments every run gets.")})
+    out: Optional[str] = field(default=None, metadata={"help": (
+        "The sweep's folder: one run folder per cell, the report beside them; default runs/sweep.")})
+    log_level: str = field(default="info", metadata={"help": 'Log verbosity: "debug", "info", "warning" or "error".'})
     report: bool = field(default=True, metadata={"help": 'Print the report at the end (fewclip report OUT).'})
     lock_timeout_s: Optional[float] = field(default=None, metadata={"help": (
         "Seconds without a heartbeat after which another host's run lock counts as abandoned (null: the "

@@ -70,7 +70,8 @@ EXPECTED = {
 class SplitOptions:
     """``fewclip split export|import``: a dataset (as a run's ``data`` section) and the split to write or check."""
 
-    data: DataConfig = field(default_factory=DataConfig)
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": (
+        "The dataset the split file belongs to (its class names and images are checked against it).")})
     shots: Optional[int] = field(default=None, metadata={"help": (
         "training images per class; export: to draw (default 16); import: the shots the file must hold")})
     seed: Optional[int] = field(default=None, metadata={"help": (

@@ -103,7 +103,8 @@ class LogConfig:
     every_n_steps: int = field(default=10, metadata={"help": (
         "Log the step's loss and learning rate every this many optimiser steps (the epoch's mean loss and the "
         "validation accuracy are logged after every epoch).")})
-    wandb: WandbConfig = field(default_factory=WandbConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig, metadata={"help": (
+        "Weights & Biases settings (log=wandb): project, entity, mode.")})
 
     def __post_init__(self) -> None:
         names = [b for b in self.backends if b != "none"]
