@@ -248,6 +248,42 @@ def test_every_config_field_has_help():
     assert missing == []
 
 
+def test_environment_variables_are_declared_once_and_listed_by_help():
+    from fewclip.utils.env import VARIABLES
+
+    spelled = {}
+    for folder in PACKAGES:
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                        and node.value.startswith("FEWCLIP_") and node.value.isupper():
+                    spelled.setdefault(node.value, set()).add(path.relative_to(ROOT).as_posix())
+    assert {name: files for name, files in spelled.items() if files != {"fewclip/utils/env.py"}} == {}
+    assert set(spelled) == {v.name for v in VARIABLES}
+    out = subprocess.run([str(Path(sys.executable).parent / "fewclip"), "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    assert all(v.name in out for v in VARIABLES) and "environment:" in out
+
+
+def test_a_command_is_declared_once():
+    """Name, summary, usage, options and function: one record in fewclip.cli.table, and every record runs."""
+    from fewclip.cli.main import COMMAND_NAMES, USAGE
+    from fewclip.cli.table import COMMANDS
+
+    assert COMMAND_NAMES == tuple(c.name for c in COMMANDS)
+    for c in COMMANDS:
+        assert f"  {c.name} " in USAGE and callable(c.function())
+        assert c.usage or c.run_config, f"{c.name}: --help would print nothing"
+        if c.options:
+            assert dataclasses_fields(c.options_class())
+
+
+def dataclasses_fields(cls):
+    import dataclasses
+
+    return dataclasses.fields(cls)
+
+
 def test_long_work_without_a_terminal_is_never_silent(tmp_path):
     """Run with stderr to a pipe (as under nohup or SLURM), the log has a line at least every progress interval
     (here 1 s instead of 10 s, so the test is short): phases, encodings and training epochs with their loss."""

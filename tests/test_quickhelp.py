@@ -22,7 +22,7 @@ def full_help(command, args):
     """The help printed by the command itself, which imports the methods and launchers."""
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert commands.run(command, [*args, "--help"]) == 0
+        assert commands.config_help(command, [*args, "--help"]) == 0
     return out.getvalue().rstrip("\n")
 
 

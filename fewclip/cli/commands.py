@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 from fewclip import api
 from fewclip.adapter.base import ADAPTERS, adapter_info
 from fewclip.backbones.backbone import describe_backbone_source, list_backbones
-from fewclip.cli.main import COMMAND_HELP  # the usage lines live with the light entry point
+from fewclip.cli.table import BY_NAME  # each command's usage line
 from fewclip.config.compose import ConfigError, RunConfig, compose, describe_config, load_config, to_object
 from fewclip.data.base import DATASETS, build_dataset
 from fewclip.training.evals import describe_evals
@@ -54,7 +54,7 @@ def parse_command(command: str, args: Sequence[str], schema: type):
     try:
         return to_object(compose(schema, keyvals, base=base)), positionals
     except ConfigError as e:
-        raise ConfigError(f"{e}; {COMMAND_HELP[command]}") from None
+        raise ConfigError(f"{e}; {BY_NAME[command].usage}") from None
 
 
 def _table(rows: List[Dict[str, str]], cols: Sequence[str]) -> str:
@@ -193,7 +193,7 @@ def cmd_cache(args: Sequence[str]) -> int:
     action = words.pop(0) if words and words[0] in ("list", "clear") else "list"
     if len(words) > 1:
         raise ConfigError(f"fewclip cache takes one dataset name or root, got {' '.join(words)}; "
-                          f"{COMMAND_HELP['cache']}")
+                          f"{BY_NAME['cache'].usage}")
     for word in words:  # a bare word: a dataset root if it is a folder, else a dataset name
         if Path(word).expanduser().is_dir():
             opts.root = word
@@ -234,7 +234,7 @@ def cmd_cache(args: Sequence[str]) -> int:
 def cmd_report(args: Sequence[str]) -> int:
     options, paths = parse_command("report", args, ReportOptions)
     if not paths:
-        raise ConfigError(COMMAND_HELP["report"])
+        raise ConfigError(BY_NAME["report"].usage)
     rep = write_report([Path(p) for p in paths], options=options)
     print(rep.markdown)
     print("report: " + ", ".join(str(p) for p in rep.paths.values()))
@@ -266,7 +266,7 @@ def cmd_export(args: Sequence[str]) -> int:
     if "-o" in rest or "--out" in rest:  # `-o PATH` as README shows it, the same as out=PATH
         i = rest.index("-o") if "-o" in rest else rest.index("--out")
         if i + 1 >= len(rest):
-            raise ConfigError(f"{rest[i]} needs a path; {COMMAND_HELP['export']}")
+            raise ConfigError(f"{rest[i]} needs a path; {BY_NAME['export'].usage}")
         out = rest[i + 1]
         del rest[i:i + 2]
     paths = [a for a in rest if "=" not in a]
@@ -275,7 +275,7 @@ def cmd_export(args: Sequence[str]) -> int:
     out = options.pop("out", out)
     device = options.pop("backbone.device", None)
     if len(paths) != 1:
-        raise ConfigError(COMMAND_HELP["export"])
+        raise ConfigError(BY_NAME["export"].usage)
     done = export_run(paths[0], out, device=device, **options)
     print(f"exported {done.adapter} run {paths[0]}\n" + done.summary())
     return 0
@@ -299,7 +299,7 @@ class PredictArgs:
 def cmd_predict(args: Sequence[str]) -> int:
     opts, images = parse_command("predict", args, PredictArgs)
     if not opts.prompts or not images:
-        raise ConfigError(COMMAND_HELP["predict"])
+        raise ConfigError(BY_NAME["predict"].usage)
     if opts.top_k < 1:
         raise ConfigError(f"top_k must be >= 1, got {opts.top_k}")
     overrides = {k: v for k in ("name", "pretrained", "precision")
@@ -327,7 +327,7 @@ def cmd_split(args: Sequence[str]) -> int:
     opts, words = parse_command("split", args, SplitOptions)
     action = words.pop(0) if words else None
     if len(words) != {"export": 0, "import": 1}.get(action, -1):  # export takes no FILE, import one
-        raise ConfigError(COMMAND_HELP["split"])
+        raise ConfigError(BY_NAME["split"].usage)
     dataset = build_dataset(opts.data)
     print(export_split(opts, dataset) if action == "export" else import_split(opts, words[0], dataset))
     return 0
@@ -335,23 +335,6 @@ def cmd_split(args: Sequence[str]) -> int:
 
 def cmd_features(args: Sequence[str]) -> int:
     return features_command(args, setup_logging)  # methods on your own features: fewclip.cli.features
-
-
-COMMANDS: Dict[str, Callable[[Sequence[str]], int]] = {
-    "backbones": cmd_backbones,
-    "datasets": cmd_datasets,
-    "adapters": cmd_adapters,
-    "zeroshot": cmd_zeroshot,
-    "train": cmd_train,
-    "sweep": cmd_sweep,
-    "report": cmd_report,
-    "export": cmd_export,
-    "predict": cmd_predict,
-    "import": cmd_import,
-    "cache": cmd_cache,
-    "features": cmd_features,
-    "split": cmd_split,
-}
 
 
 def _train_defaults(args: Sequence[str] = ()):
@@ -372,17 +355,9 @@ CONFIG_SCHEMAS: Dict[str, Callable[[Sequence[str]], object]] = {"zeroshot": lamb
                                                                 "features": lambda args: FeaturesConfig()}
 
 
-def run(command: str, args: Sequence[str]) -> int:
-    """Run ``fewclip COMMAND ARGS`` (``--help``: the command's options and defaults)."""
-    if "--help" in args or "-h" in args:
-        schema = CONFIG_SCHEMAS.get(command)
-        if schema is None:
-            print(COMMAND_HELP.get(command) or f"fewclip {command}: no options")
-            return 0
-        print(HEADER.format(command=command))
-        print("\n".join(describe_config(schema(args))))
-        return 0
-    setup_logging("info")
-    return COMMANDS[command](args)
-
-
+def config_help(command: str, args: Sequence[str]) -> int:
+    """``fewclip COMMAND --help`` of a command whose options are a run config: every option with its default and
+    help, the config composed with the registries (a plugin's method or launcher included)."""
+    print(HEADER.format(command=command))
+    print("\n".join(describe_config(CONFIG_SCHEMAS[command](args))))
+    return 0

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from fewclip.data.base import DatasetError
+from fewclip.utils import env
 
-VERIFY_ENV = "FEWCLIP_CACHE_VERIFY"
+VERIFY_ENV = env.CACHE_VERIFY
 VERIFY_MODES = ("stat", "hash")
 HASH_CHARS = 32  # of a file's sha256, hex
 

@@ -67,10 +67,11 @@ from fewclip.utils.locks import RunLock
 
 from fewclip.data.image_fingerprint import changed, fingerprint, verify_mode
 from fewclip.features.address import FORMAT, VERSION, VIEW_CODE_VERSION, address, describe_transform  # noqa: F401
+from fewclip.utils import env
 
 log = logging.getLogger(__name__)
 
-STORE_ENV = "FEWCLIP_CACHE"
+STORE_ENV = env.CACHE
 ADDRESS_FILE = "address.json"
 OFF = ("off", "none", "false", "no", "0")
 

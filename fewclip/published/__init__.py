@@ -216,7 +216,7 @@ def render(rows: Sequence[PublishedRow], sources: bool = True) -> str:
     return "\n".join(out)
 
 
-def run(command: str, args: Sequence[str]) -> int:
+def command(args: Sequence[str]) -> int:
     """``fewclip published [key=value ...]``: the shipped table, filtered."""
     opts = parse_options(args)
     rows = filter_rows(shipped_table(), opts.method, opts.dataset, opts.protocol, opts.backbone, opts.shots,

@@ -11,8 +11,9 @@ from __future__ import annotations
 import errno
 import os
 from typing import List, Sequence, Tuple
+from fewclip.utils import env
 
-DEBUG_ENV = "FEWCLIP_DEBUG"
+DEBUG_ENV = env.DEBUG
 DEBUG_FLAG = "--debug"
 
 

@@ -28,12 +28,13 @@ from pathlib import Path
 from typing import Optional
 
 from fewclip.utils.errors import RunFailure
+from fewclip.utils import env
 
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".fewclip.lock"
 DEFAULT_STALE_AFTER_S = 600.0
-LOCK_TIMEOUT_ENV = "FEWCLIP_LOCK_TIMEOUT_S"
+LOCK_TIMEOUT_ENV = env.LOCK_TIMEOUT_S
 
 
 class LockError(RunFailure):

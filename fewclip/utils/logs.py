@@ -17,8 +17,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from importlib.util import find_spec
 from typing import Iterator
-import open_clip
 
 THIRD_PARTY_LEVEL = logging.WARNING
 
@@ -32,8 +32,8 @@ def setup_logging(level: str = "info") -> None:
 
 
 def _open_clip_dir() -> str:
-
-    return os.path.dirname(os.path.abspath(open_clip.__file__)) + os.sep
+    """open_clip's package folder, found without importing it (this module stays light for the command line)."""
+    return os.path.dirname(os.path.abspath(find_spec("open_clip").origin)) + os.sep
 
 
 class _DropOpenClip(logging.Filter):

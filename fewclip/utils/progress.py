@@ -14,12 +14,13 @@ import sys
 import time
 
 from tqdm.auto import tqdm
+from fewclip.utils import env
 
 log = logging.getLogger("fewclip.utils.progress")
 
 # A plain line at least this often during long work without a terminal (FEWCLIP_PROGRESS_EVERY_S overrides).
 LINE_EVERY_S = 10.0
-EVERY_ENV = "FEWCLIP_PROGRESS_EVERY_S"
+EVERY_ENV = env.PROGRESS_EVERY_S
 _bars = {"on": True}
 
 
