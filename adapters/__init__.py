@@ -7,7 +7,7 @@ Importing this package registers every method here (fewclip's registry loads it 
 from fewclip.adapter.base import (ADAPTERS, EXPORT_FORMATS, Adapter, AdapterConfig, AdapterError, ExportFormat, adapter_info,
                              build_adapter, export_format, register_adapter)
 
-from fewclip.adapters import cocoop, coop, kgcoop, linear_probe, lora, prograd, tcp, zeroshot  # noqa: F401  (registration)
+from fewclip.adapters import cocoop, coop, kgcoop, linear_probe, lora, prograd, tcp, zeroshot, zs_probe  # noqa: F401  (registration)
 from fewclip.adapters import clap, clip_adapter, lpp, taskres, tip_adapter, tip_adapter_f  # noqa: F401  (registration)
 from fewclip.adapters import gda, proker, prolip  # noqa: F401  (registration)
 from fewclip.adapters import ivlp, maple, promptsrc  # noqa: F401  (registration)

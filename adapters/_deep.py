@@ -295,7 +295,7 @@ class DeepPromptAdapter(Adapter):
         if not self.classnames:
             raise AdapterError(f"adapter {self.name!r} needs at least one class name")
         tower = TextTower(backbone.model, backbone.tokenizer)
-        object.__setattr__(self, "tower", tower)
+        self.keep_outside("tower", tower)
         self.checkpointing = bool(checkpointing)
         if ctx_init is not None:
             init_ids = tower.encode_words(ctx_init)

@@ -184,8 +184,8 @@ class TowerWeightsAdapter(TowerPrototypes, Adapter):
             raise ValueError(f"each prompt template needs exactly one '{{}}' for the class name; bad: {bad}")
         self.adapts_text = adapts_text
         self.trains_image_tower = trains_image_tower
-        object.__setattr__(self, "model", model)  # not a submodule: its frozen tensors are the backbone's
-        object.__setattr__(self, "tower", TextTower(model, backbone.tokenizer))
+        self.keep_outside("model", model)  # not a submodule: its frozen tensors are the backbone's
+        self.keep_outside("tower", TextTower(model, backbone.tokenizer))
         texts = [t.format(c) for c in self.classnames for t in self.templates]
         tokens = backbone.tokenize(texts)
         if self.tower.can_truncate:  # cut to the longest prompt where that is exact

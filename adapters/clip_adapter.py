@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from fewclip.adapters._cache import text_classifier
 from fewclip.adapter.state_export import STATE
-from fewclip.adapter.base import Adapter, AdapterConfig, register_adapter
+from fewclip.adapter.base import Adapter, AdapterConfig, default_generator, register_adapter
 from fewclip.config.presets import Preset, Setting, register_presets
 
 
@@ -78,7 +78,7 @@ class ClipAdapter(Adapter):
         if D // cfg.reduction < 1:
             raise ValueError(f"adapter.reduction={cfg.reduction} leaves no hidden unit for {D}-d features")
         self.register_buffer("prototypes", protos, persistent=False)  # rebuilt from the class names
-        g = generator if generator is not None else torch.Generator().manual_seed(0)
+        g = default_generator(generator)
         hidden = D // cfg.reduction
         self.fc1 = nn.Parameter(_default_linear_init(hidden, D, g))  # [D/r, D]
         self.fc2 = nn.Parameter(_default_linear_init(D, hidden, g))  # [D, D/r]

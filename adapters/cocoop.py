@@ -36,7 +36,7 @@ import torch.nn as nn
 from fewclip.adapters._family import default_linear, learned_for_classnames, text_output_dim
 from fewclip.adapters._prompts import packed_suffix_rows
 from fewclip.adapter.state_export import STATE
-from fewclip.adapter.base import AdapterError, register_adapter
+from fewclip.adapter.base import AdapterError, default_generator, register_adapter
 from fewclip.config.presets import Preset, register_presets
 from fewclip.adapters.coop import CoOp, CoOpConfig
 
@@ -78,7 +78,7 @@ class CoCoOp(CoOp):
 
     def __init__(self, cfg: CoCoOpConfig, backbone, classnames: Sequence[str], templates: Sequence[str] = (), *,
                  generator: Optional[torch.Generator] = None):
-        generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        generator = default_generator(generator)
         super().__init__(cfg, backbone, classnames, templates, generator=generator)
         tower, device = self.tower, backbone.device
         D, W = text_output_dim(tower), tower.width

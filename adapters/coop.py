@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from fewclip.adapters._prompts import POSITIONS, packed_suffixes, shared_prefix_length
 from fewclip.adapters._text import TextTower, class_prompts, pad_sequences
-from fewclip.adapter.base import Adapter, AdapterConfig, AdapterError, register_adapter
+from fewclip.adapter.base import Adapter, AdapterConfig, AdapterError, default_generator, register_adapter
 from fewclip.config.presets import Preset, register_presets
 from fewclip.adapters.coop_export import PROMPTS
 
@@ -77,9 +77,9 @@ class CoOp(Adapter):
                  generator: Optional[torch.Generator] = None):
         super().__init__(cfg, backbone, classnames, templates)
         self.supports_new_classes = not cfg.csc
-        generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        generator = default_generator(generator)
         tower = TextTower(backbone.model, backbone.tokenizer)
-        object.__setattr__(self, "tower", tower)
+        self.keep_outside("tower", tower)
         C = len(self.classnames)
 
         if cfg.ctx_init is not None:

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from fewclip.adapters._family import text_output_dim
 from fewclip.adapter.state_export import STATE
-from fewclip.adapter.base import AdapterError, register_adapter
+from fewclip.adapter.base import AdapterError, default_generator, register_adapter
 from fewclip.config.presets import Preset, register_presets
 from fewclip.adapters.maple import MaPLe, MaPLeConfig
 
@@ -164,7 +164,7 @@ class CoPrompt(MaPLe):
 
     def __init__(self, cfg: CoPromptConfig, backbone, classnames: Sequence[str], templates: Sequence[str] = (), *,
                  generator: Optional[torch.Generator] = None):
-        generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        generator = default_generator(generator)
         super().__init__(cfg, backbone, classnames, templates, generator=generator)
         D, device = text_output_dim(self.tower), backbone.device
         self.adapter_image = FeatureAdapter(D, cfg.adapter_reduction, generator, device)

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from fewclip.adapters._family import default_linear, text_output_dim
 from fewclip.adapter.state_export import STATE
-from fewclip.adapter.base import Adapter, AdapterConfig, AdapterError, register_adapter
+from fewclip.adapter.base import Adapter, AdapterConfig, AdapterError, default_generator, register_adapter
 from fewclip.config.presets import Preset, Setting, register_presets
 from fewclip.adapters.coop import CoOp, CoOpConfig
 from fewclip.adapters.maple import MaPLe, MaPLeConfig
@@ -128,7 +128,7 @@ class DePT(Adapter):
     def __init__(self, cfg: DePTConfig, backbone, classnames: Sequence[str], templates: Sequence[str] = (), *,
                  generator: Optional[torch.Generator] = None, head: bool = True):
         super().__init__(cfg, backbone, classnames, templates)
-        generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        generator = default_generator(generator)
         self.learner = learner_for(cfg, backbone, self.classnames, self.templates, generator)
         self.trains_image_tower = self.learner.trains_image_tower
         self.has_head = bool(head)

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from fewclip.adapters._deep import DeepPromptAdapter, normal, vision_transformer
 from fewclip.adapter.state_export import STATE
-from fewclip.adapter.base import AdapterConfig, AdapterError, register_adapter
+from fewclip.adapter.base import AdapterConfig, AdapterError, default_generator, register_adapter
 from fewclip.config.presets import Preset, Setting, register_presets
 
 
@@ -86,7 +86,7 @@ class IVLP(DeepPromptAdapter):
         n_text = cfg.n_ctx_text if cfg.depth_text else 0
         super().__init__(cfg, backbone, classnames, templates, n_ctx=n_text, ctx_init=cfg.ctx_init,
                          n_ctx_key="n_ctx_text", checkpointing=cfg.checkpointing)
-        generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        generator = default_generator(generator)
         device = backbone.device
         self.depth_text = min(cfg.depth_text, len(self.tower.transformer.resblocks))
         if self.depth_text:

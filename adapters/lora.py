@@ -50,7 +50,7 @@ from fewclip.utils.rng import forked_global_rng
 from fewclip.adapters._text import TextTower
 from fewclip.adapters._towers import (TARGETS, TOWERS, TowerPrototypes, check_tower_targets, shared_copy,  # noqa: F401
                       target_linears, target_list, tower_blocks)
-from fewclip.adapter.base import Adapter, AdapterConfig, register_adapter
+from fewclip.adapter.base import Adapter, AdapterConfig, default_generator, register_adapter
 from fewclip.config.presets import Preset, register_presets
 from fewclip.adapters.lora_export import LORA
 
@@ -126,11 +126,11 @@ class LoRA(TowerPrototypes, Adapter):
                                       target_modules=targets, bias="none")
         # peft initialises the A matrices from torch's global RNG and takes no generator: run it on a fork of the
         # global RNG seeded from ours (B starts at zero, so the logits at init do not depend on the draw).
-        with forked_global_rng(generator if generator is not None else torch.Generator().manual_seed(0)):
+        with forked_global_rng(default_generator(generator)):
             peft_model = get_peft_model(model, self.peft_config, adapter_name=ADAPTER_NAME)
-        object.__setattr__(self, "peft_model", peft_model)
-        object.__setattr__(self, "model", model)  # the LoRA-injected copy (peft wraps its Linears in place)
-        object.__setattr__(self, "tower", TextTower(model, backbone.tokenizer))
+        self.keep_outside("peft_model", peft_model)
+        self.keep_outside("model", model)  # the LoRA-injected copy (peft wraps its Linears in place)
+        self.keep_outside("tower", TextTower(model, backbone.tokenizer))
         # Register the LoRA modules (and their dropout) on the adapter: parameters(), train() and the
         # state dict then cover exactly the LoRA tensors.
         self.lora = nn.ModuleDict()

@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from fewclip.adapters._deep import DeepPromptAdapter, linear_init, normal, vision_transformer
 from fewclip.adapter.state_export import STATE
-from fewclip.adapter.base import AdapterConfig, register_adapter
+from fewclip.adapter.base import AdapterConfig, default_generator, register_adapter
 from fewclip.config.presets import Preset, register_presets
 
 
@@ -71,7 +71,7 @@ class MaPLe(DeepPromptAdapter):
                  generator: Optional[torch.Generator] = None):
         super().__init__(cfg, backbone, classnames, templates, n_ctx=cfg.n_ctx, ctx_init=cfg.ctx_init,
                          n_ctx_key="n_ctx", checkpointing=cfg.checkpointing)
-        generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        generator = default_generator(generator)
         device = backbone.device
         visual = vision_transformer(backbone.model, "adapter 'maple'")
         text_layers, vision_layers = len(self.tower.transformer.resblocks), len(visual.transformer.resblocks)

@@ -58,7 +58,7 @@ from fewclip.adapters._deep import (encode_image_deep, encode_text_inserted, lin
 from fewclip.adapters._family import text_output_dim, zero_shot_points
 from fewclip.adapter.state_export import STATE
 from fewclip.adapters._text import TextTower, pad_sequences
-from fewclip.adapter.base import Adapter, AdapterConfig, AdapterError, register_adapter
+from fewclip.adapter.base import Adapter, AdapterConfig, AdapterError, default_generator, register_adapter
 from fewclip.config.presets import Preset, Setting, register_presets
 
 
@@ -106,10 +106,10 @@ class MMRL(Adapter):
         if not self.templates:
             raise AdapterError("adapter 'mmrl' puts the class names in the dataset's hand-crafted template and needs "
                                "it; give the dataset's templates (data.templates=single, as the authors)")
-        generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        generator = default_generator(generator)
         device = backbone.device
         tower = TextTower(backbone.model, backbone.tokenizer)
-        object.__setattr__(self, "tower", tower)
+        self.keep_outside("tower", tower)
         visual = vision_transformer(backbone.model, "adapter 'mmrl'")
         self.fused = bool(fused)  # the trained classes: fused logits; other class names: class token only
         self.template = self.templates[0]

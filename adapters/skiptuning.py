@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from fewclip.adapters._deep import _run_block, text_lower_blocks, text_upper_blocks, vision_pool, vision_tokens, vision_transformer
 from fewclip.adapters._towers import TOWER, TowerWeightsAdapter, replace_module, shared_copy, tower_blocks
-from fewclip.adapter.base import AdapterConfig, AdapterError, register_adapter
+from fewclip.adapter.base import AdapterConfig, AdapterError, default_generator, register_adapter
 from fewclip.config.presets import Preset, Setting, register_presets
 
 
@@ -192,7 +192,7 @@ class SkipTuning(TowerWeightsAdapter):
         C = len(self.classnames)
         n_top = always_run(C, cfg.top_ratio, cfg.max_top)
         self.skips_classes = not (cfg.top_ratio == 1.0 or n_top == C)
-        gen = generator if generator is not None else torch.Generator().manual_seed(0)
+        gen = default_generator(generator)
         self.set_keep(torch.rand(C, generator=gen) < reserve_ratios(C, n_top, cfg.reserve_lambda))
 
     @classmethod

@@ -36,7 +36,7 @@ from open_clip.transformer import QuickGELU
 
 from fewclip.adapters._family import default_linear, learned_for_classnames, loss_near_teacher, text_output_dim, zero_shot_points
 from fewclip.adapter.state_export import STATE
-from fewclip.adapter.base import AdapterError, register_adapter
+from fewclip.adapter.base import AdapterError, default_generator, register_adapter
 from fewclip.config.presets import Preset, register_presets
 from fewclip.adapters.coop import CoOp, CoOpConfig
 
@@ -77,7 +77,7 @@ class TCP(CoOp):
 
     def __init__(self, cfg: TCPConfig, backbone, classnames: Sequence[str], templates: Sequence[str] = (), *,
                  generator: Optional[torch.Generator] = None):
-        generator = generator if generator is not None else torch.Generator().manual_seed(0)
+        generator = default_generator(generator)
         if not templates:
             raise AdapterError("adapter 'tcp' builds its prompts and class-aware tokens from the dataset's prompt "
                                "templates; give them (data.templates=single or ensemble)")

@@ -51,6 +51,12 @@ from fewclip.config.sections import AdapterConfig
 TRAINED_BY = ("loop", "fit", None)
 
 
+def default_generator(generator: Optional[torch.Generator]) -> torch.Generator:
+    """``generator``, or a CPU generator seeded with 0 where the caller gave none: an adapter's random draws are
+    reproducible without touching torch's global RNG."""
+    return generator if generator is not None else torch.Generator().manual_seed(0)
+
+
 class AdapterError(InputError):
     """An adapter that cannot be built for these class names or this backbone; the message says what to change."""
 
@@ -75,14 +81,27 @@ class Adapter(nn.Module):
     text_step: Optional[str] = None
     # Overrides of the run's ``train`` section defaults for this adapter (e.g. its own optimiser).
     train_defaults: Dict[str, object] = {}
+    # How ``text_step`` runs the text tower, where a method has several ways (CoOp: "shared", "truncate",
+    # "faithful"); part of what ``train.compile`` compiles, so a compiled step is never reused across modes.
+    # None: one way only.
+    text_mode: Optional[str] = None
 
     def __init__(self, cfg: AdapterConfig, backbone, classnames: Sequence[str], templates: Sequence[str]):
         super().__init__()
         self.cfg = cfg
-        # Keep the backbone out of this module's parameters and state dict.
-        object.__setattr__(self, "backbone", backbone)
+        self.keep_outside("backbone", backbone)
         self.classnames = list(classnames)
         self.templates = list(templates)
+
+    def keep_outside(self, name: str, value: Any) -> None:
+        """Hold ``value`` as ``self.<name>`` without registering it: a frozen model, tower or tensor of the
+        backbone's stays out of this adapter's parameters, state dict and ``.to()`` (its tensors are not ours)."""
+        object.__setattr__(self, name, value)
+
+    def param_groups(self) -> Optional[List[Dict[str, Any]]]:
+        """The optimiser's parameter groups (e.g. a learning rate of their own for some tensors, DePT's head);
+        None (default): one group of ``trainable_parameters()`` at the run's ``train.lr``."""
+        return None
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:  # [B, D] raw -> [B, C]
         raise NotImplementedError

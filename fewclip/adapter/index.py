@@ -57,7 +57,7 @@ def build_index() -> Dict[str, Any]:
                    "help": str(f.metadata.get("help", "")) if f.metadata else ""}
                   for f in dataclasses.fields(info.config_cls)]
         methods[name] = {"config": info.config_cls.__name__, "fields": fields, "trains": info.trains,
-                         "train_defaults": dict(getattr(info.adapter_cls, "train_defaults", {}))}
+                         "train_defaults": dict(info.adapter_cls.train_defaults)}
     return {"format": FORMAT, "fingerprint": source_fingerprint(), "methods": methods}
 
 

@@ -251,7 +251,7 @@ def cmd_adapters(args: Sequence[str]) -> int:
         print(f"{name}: {doc[0] if doc else ''}" + ("" if source.startswith("fewclip.") else f"  [from {source}]"))
         options = [line for line in describe_config(info.config_cls()) if not line.startswith("name:")]
         print("\n".join("  adapter." + line for line in options) if options else "  no options")
-        train = getattr(info.adapter_cls, "train_defaults", {})
+        train = info.adapter_cls.train_defaults
         if train:
             print("  its own training defaults: " + " ".join(f"train.{k}={v}" for k, v in train.items()))
         if names:  # one method in detail: its presets, field by field with their sources

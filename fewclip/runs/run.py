@@ -86,7 +86,7 @@ def load_train_config(args: Sequence[str]) -> TrainRunConfig:
     yamls, dotlist = split_args(args)
     preset = get_preset(name, preset_name_of(dotlist, [load_yaml(find_yaml(y)) for y in yamls]))
     try:
-        base = train_base(TrainRunConfig, info.config_cls(), getattr(info.adapter_cls, "train_defaults", {}),
+        base = train_base(TrainRunConfig, info.config_cls(), info.adapter_cls.train_defaults,
                           info.trains, preset_overrides(preset))
     except OmegaConfBaseException as e:
         raise ConfigError(f"preset {preset.name!r} of adapter {name!r} does not fit its config ({e}); fix the "
@@ -102,7 +102,7 @@ def load_train_config(args: Sequence[str]) -> TrainRunConfig:
 def preset_defaults(info) -> Dict[str, Any]:
     """fewclip's default of every ``adapter.*`` and ``train.*`` field of a method (``info``: its AdapterInfo):
     what its presets are compared with."""
-    adapter, train = info.config_cls(), TrainConfig(**getattr(info.adapter_cls, "train_defaults", {}))
+    adapter, train = info.config_cls(), TrainConfig(**info.adapter_cls.train_defaults)
     return {**{f"adapter.{f.name}": getattr(adapter, f.name) for f in fields(adapter)},
             **{f"train.{f.name}": getattr(train, f.name) for f in fields(train)}}
 
@@ -111,7 +111,7 @@ def as_train_config(cfg: RunConfig, adapter: AdapterConfig, shots: int = 0) -> T
     """A run config of ``cfg``'s backbone, data and seed with ``adapter`` (``fewclip zeroshot``: the zeroshot
     adapter)."""
     common = {f.name: getattr(cfg, f.name) for f in fields(RunConfig)}
-    train = TrainConfig(**getattr(adapter_info(adapter.name).adapter_cls, "train_defaults", {}))
+    train = TrainConfig(**adapter_info(adapter.name).adapter_cls.train_defaults)
     return TrainRunConfig(**common, adapter=adapter, train=train, shots=shots)
 
 

@@ -85,7 +85,7 @@ def timed(fn: Callable[[], Any], device: torch.device, steps: int = TIMED_STEPS)
 
 
 def can_compile(adapter) -> bool:
-    return bool(getattr(adapter, "text_step", None)) and hasattr(torch, "compile")
+    return bool(adapter.text_step) and hasattr(torch, "compile")
 
 
 def compile_text_step(adapter, backend: Optional[str] = None) -> None:
@@ -99,13 +99,13 @@ def compile_text_step(adapter, backend: Optional[str] = None) -> None:
 
 def uncompile_text_step(adapter) -> None:
     """Back to the eager method."""
-    name = getattr(adapter, "text_step", None)
+    name = adapter.text_step
     if name:
         adapter.__dict__.pop(name, None)
 
 
 def is_compiled(adapter) -> bool:
-    name = getattr(adapter, "text_step", None)
+    name = adapter.text_step
     return bool(name) and name in adapter.__dict__
 
 
@@ -167,7 +167,7 @@ class StepTuner:
         self.fused_key = ("fused", dkey, type(make_optimizer(params[:1])).__name__,
                           tuple(tuple(p.shape) for p in params), str(params[0].dtype))
         self.compile_key = ("compile", dkey, type(adapter).__name__, _shape_key(adapter), precision,
-                            getattr(adapter, "text_mode", None))
+                            adapter.text_mode)
         self.measuring = False
         self._step, self._t0, self._eager, self._compiled = 0, 0.0, [], []
         fused_ok = mode != "off" and fused_supported(make_optimizer, params)

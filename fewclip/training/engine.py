@@ -343,7 +343,7 @@ def train_loop(adapter, source: FeatureSource, cfg: TrainConfig, shots: int, gen
     n = len(source.labels)
     per_epoch, total, epochs, warmup = schedule(cfg, shots, source.epoch_size)
     # An adapter may give parameter groups whose learning rate is the run's times "lr_scale" (DePT's head).
-    groups = adapter.param_groups() if hasattr(adapter, "param_groups") else None
+    groups = adapter.param_groups()
 
     def make(ps, fused=False):  # the tuner's optimiser of all the parameters: in the adapter's groups, if any
         return make_optimizer(groups if groups is not None and ps is params else ps, cfg, fused)
@@ -352,8 +352,8 @@ def train_loop(adapter, source: FeatureSource, cfg: TrainConfig, shots: int, gen
     opt = tuner.optimizer
     best = (-1.0, None, -1)
     history = []
-    wants_frozen = bool(getattr(adapter, "wants_frozen_features", False))
-    own_lr = getattr(adapter, "learning_rate", None)  # Adapter.learning_rate (2SFS's two stages)
+    wants_frozen = adapter.wants_frozen_features
+    own_lr = adapter.learning_rate  # Adapter.learning_rate: None from it is the engine's schedule (2SFS: its own)
     xlog = experiment_log()  # the run's experiment log (log=tensorboard|wandb), if any
     step = 0
     adapter.train()
@@ -365,7 +365,7 @@ def train_loop(adapter, source: FeatureSource, cfg: TrainConfig, shots: int, gen
             sums, seen = {}, 0
             for b in range(min(per_epoch, total - step)):
                 idx = perm[b * cfg.batch_size : (b + 1) * cfg.batch_size]
-                own = own_lr(step, total, cfg.lr) if own_lr is not None else None  # the method's own schedule
+                own = own_lr(step, total, cfg.lr)  # the method's own schedule, or None
                 for g in opt.param_groups:
                     scale = g.get("lr_scale", 1.0)  # a group at its own multiple of the run's lr (DePT)
                     g["lr"] = own * scale if own is not None else cosine_lr(step, total, warmup, cfg.lr * scale,

@@ -114,7 +114,7 @@ def fit_features(method: str, train_x: Tensor, train_y: Tensor, classnames: Sequ
     shots = max(int((train_y == c).sum()) for c in range(len(names))) if len(train_y) else 0
     split = FewShotSplit(shots=shots, seed=seed, train=splits["train"], val=splits["val"], dataset="features",
                          classnames=names)
-    train_cfg = TrainConfig(**{**getattr(info.adapter_cls, "train_defaults", {}), **(train or {})})
+    train_cfg = TrainConfig(**{**info.adapter_cls.train_defaults, **(train or {})})
     generator = torch.Generator().manual_seed(seed)
     adapter = build_adapter(cfg, backbone, names, list(templates), generator=generator)
     run = RunFeatures(adapter, dataset, split, train_cfg, seed=seed)
