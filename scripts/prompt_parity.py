@@ -18,7 +18,7 @@ import torch
 TESTS = Path(__file__).resolve().parents[1] / "tests"
 sys.path.insert(0, str(TESTS))
 
-from prompt_parity import ALL_FIXTURES, TOLERANCE, checks, load, max_diff, tiny_backbone  # noqa: E402
+from helpers.prompt_parity import ALL_FIXTURES, TOLERANCE, checks, load, max_diff, tiny_backbone  # noqa: E402
 
 
 def main() -> int:

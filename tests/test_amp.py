@@ -15,7 +15,7 @@ from fewclip.training.engine import AMP_MODES, CachedFeatures, FeatureSource, Fi
 from fewclip.features.encode import FeatureCache, Features
 from fewclip.backbones.geometry import exp_map0, make_geometry
 from fewclip.features.store import FeatureStore
-from test_device_audit import CLASSNAMES, GEOMETRY_NAMES, TEMPLATES, backbones  # noqa: F401  (fixture)
+from helpers.audit import CLASSNAMES, GEOMETRY_NAMES, TEMPLATES, backbones  # noqa: F401  (fixture)
 
 CPU = torch.device("cpu")
 

@@ -12,7 +12,7 @@ from fewclip.backbones.backbone import BackboneConfig, BackboneError, backbone_c
     load_backbone
 from fewclip.config.compose import ConfigError, load_config
 from fewclip.features.encode import text_prototypes
-from test_coop import SHAPES, tiny_model_config, write_card
+from helpers.cards import SHAPES, tiny_model_config, write_card
 
 PROMPTS = ["a photo of a circle.", "a red square on grass", "star"]
 

@@ -18,18 +18,11 @@ from fewclip.datasets import Item
 from fewclip.training.engine import FitData, TrainConfig
 from fewclip.features.encode import Features, text_prototypes
 from fewclip.backbones.geometry import GEOMETRIES, exp_map0, l2_normalize, lorentz_time, make_geometry
-from test_coop import CARD_GEOMETRIES, SIGLIP_TEXT, backbone, cards, image_features  # noqa: F401  (cards: fixture)
-
-TOY = ["toy-clip", "toy-euclip", "toy-meru", "toy-siglip"]  # clip, euclidean_sq, hyperbolic, sigmoid
-EVERY = TOY + list(CARD_GEOMETRIES) + [SIGLIP_TEXT]  # + elliptic, euclidean, hyperbolic_sq, a SigLIP text tower
-NAMES = ["circle", "square", "golden retriever"]
-TEMPLATES = ["a photo of a {}.", "a sketch of the {}"]  # two: prototypes average templates in the geometry
-PARAMS = {"sigmoid": dict(logit_bias=-5.0), "hyperbolic": dict(curvature=0.7, alpha_image=0.3, alpha_text=0.2),
-          "hyperbolic_sq": dict(curvature=1.3, alpha_image=0.2, alpha_text=0.4)}
+from helpers.cards import CARD_GEOMETRIES, SIGLIP_TEXT, backbone, cards, image_features  # noqa: F401  (cards: fixture)
+from helpers.cache import EVERY, NAMES, PARAMS, TEMPLATES, TableBackbone, zero_shot  # noqa: F401
 
 
-def zero_shot(bb, feats):
-    return bb.geometry.image_logits(feats, text_prototypes(bb, NAMES, TEMPLATES))
+
 
 
 def fitted_cache(cls, cfg, bb, feats):
@@ -109,18 +102,6 @@ def test_cache_affinity_is_exp_of_minus_beta_times_the_geometrys_gap(geometry):
     assert float(A.max()) <= 1.0 + 1e-6
 
 
-class TableBackbone:
-    """A geometry and a text tower that is a table of raw text features (random, 3 classes x 2 templates)."""
-
-    def __init__(self, geometry, dim=8):
-        self.geometry = make_geometry(geometry, **PARAMS.get(geometry, {}))
-        self.device = torch.device("cpu")
-        gen = torch.Generator().manual_seed(1)
-        self.raw = 3 * torch.randn(len(NAMES), len(TEMPLATES), dim, generator=gen)
-        self.table = {t.format(c): self.raw[i, j] for i, c in enumerate(NAMES) for j, t in enumerate(TEMPLATES)}
-
-    def encode_text(self, texts):
-        return torch.stack([self.table[t] for t in texts])
 
 
 @pytest.mark.parametrize("geometry", sorted(GEOMETRIES))

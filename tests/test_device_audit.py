@@ -20,31 +20,19 @@ import torch.nn as nn
 import fewclip.adapters.lora as lora_module
 from fewclip.adapters import ADAPTERS, AdapterConfig, adapter_info, build_adapter, register_adapter
 from fewclip.adapter.base import Adapter
-from fewclip.backbones.backbone import BackboneConfig, load_backbone
 from fewclip.training.device_audit import DataDependentOutputException, DeviceAuditError, FakeDevice, is_fake
 from fewclip.training.engine import FitData, TrainConfig
 from fewclip.adapter.exports import export_metadata
 from fewclip.features.encode import Features
 from fewclip.backbones.geometry import GEOMETRIES
-from test_coop import CARD_GEOMETRIES, tiny_model_config, write_card
+from helpers.audit import CLASSNAMES, GEOMETRY_NAMES, TEMPLATES, backbones  # noqa: F401
 
-REFERENCE = {"clip": "toy-clip", "euclidean_sq": "toy-euclip", "hyperbolic": "toy-meru", "sigmoid": "toy-siglip"}
-GEOMETRY_NAMES = sorted(set(REFERENCE) | set(CARD_GEOMETRIES))
-CLASSNAMES = ["circle", "square", "golden retriever"]
-TEMPLATES = ["a photo of a {}.", "a drawing of a {}."]
 
 
 def test_every_geometry_is_audited():
     assert set(GEOMETRY_NAMES) == set(GEOMETRIES)
 
 
-@pytest.fixture(scope="module")
-def backbones(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("audit_cards")
-    cfg = tiny_model_config(context_length=32)  # room for the default 16 context tokens and two-word names
-    cfg["vision_cfg"]["layers"] = cfg["text_cfg"]["layers"] = 2
-    names = {**REFERENCE, **{g: write_card(folder, f"tiny-{g}", cfg, geom) for g, geom in CARD_GEOMETRIES.items()}}
-    return {g: load_backbone(BackboneConfig(name=n, device="cpu")) for g, n in names.items()}
 
 
 def _data(bb, n=6, seed=0):

@@ -16,7 +16,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from checkpoint_layouts import CLASSNAMES, TEMPLATES, open_clip_train_checkpoint
+from helpers.checkpoints import CLASSNAMES, TEMPLATES, open_clip_train_checkpoint
 from fewclip.adapters.coop import CoOp, CoOpConfig
 from fewclip.backbones.backbone import BackboneConfig, BackboneError, build_open_clip_model, load_backbone
 from fewclip.cli.main import main

@@ -19,8 +19,8 @@ from omegaconf import OmegaConf
 from PIL import Image
 from safetensors.torch import save_file
 
-import checkpoint_layouts
-from checkpoint_layouts import (MERU_IMPORT_OPTIONS, meru_checkpoint, open_clip_train_checkpoint, openai_archive,
+from helpers import checkpoints as checkpoint_layouts
+from helpers.checkpoints import (MERU_IMPORT_OPTIONS, meru_checkpoint, open_clip_train_checkpoint, openai_archive,
                                 tiny_euclip_state_dict, tiny_meru_state_dict, tiny_openai_fp16)
 from fewclip.backbones import fingerprints
 from fewclip.backbones.backbone import BackboneConfig, BackboneError, build_open_clip_model, load_backbone, load_weights_file

@@ -25,7 +25,7 @@ from fewclip.config.presets import (FEWCLIP, PRESETS, Preset, PresetError, Setti
 from fewclip.report import write_report
 from fewclip.runs.run import load_train_config, preset_defaults, run_train
 from fewclip.runs.sweep import SweepSpec, plan_sweep
-from test_cache_parity import FeatureBackbone, fixture
+from helpers.cache_parity import FeatureBackbone, fixture
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 # Methods with the authors' settings in their parity tests, and where those tests are.

@@ -22,7 +22,7 @@ from fewclip.report import build_report
 from fewclip.runs.sweep import load_sweep_config, plan_sweep
 from fewclip.runs.run import (RunResources, load_train_config, run_identity_of,
                           run_train)
-from test_coop import CARD_GEOMETRIES, SIGLIP_TEXT, backbone, cards, image_features  # noqa: F401  (cards: fixture)
+from helpers.cards import CARD_GEOMETRIES, SIGLIP_TEXT, backbone, cards, image_features  # noqa: F401  (cards: fixture)
 
 TOY = ["toy-clip", "toy-euclip", "toy-meru", "toy-siglip"]
 FAST = ["shots=2", "seed=1", "train.epochs=2", "train.augment_views=1", "data.templates=single",

@@ -13,7 +13,7 @@ import pytest
 from fewclip.runs import records
 from fewclip.utils import locks
 
-from slurm_cluster import Unavailable, start
+from helpers.slurm import Unavailable, start
 
 SWEEP = """\
 sweep:

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import test_import_tokenizers as hf
-from checkpoint_layouts import CLASSNAMES as HF_CLASSNAMES
+from helpers.checkpoints import CLASSNAMES as HF_CLASSNAMES
 from fewclip.adapters import ADAPTERS, AdapterError, build_adapter
 from fewclip.adapters._family import default_linear, distance_to_teacher
 from fewclip.adapters._prompts import packed_suffix_rows
@@ -21,7 +21,7 @@ from fewclip.backbones.backbone import BackboneConfig, load_backbone
 from fewclip.cli.main import main
 from fewclip.training.engine import CachedFeatures, TrainConfig, train_loop
 from fewclip.features.encode import Features, text_prototypes
-from test_coop import CARD_GEOMETRIES, CLASSNAMES, SHAPES, image_features, tiny_model_config, write_card
+from helpers.cards import CARD_GEOMETRIES, CLASSNAMES, SHAPES, image_features, tiny_model_config, write_card
 
 TOY = ["toy-clip", "toy-euclip", "toy-meru", "toy-siglip"]  # clip, euclidean_sq, hyperbolic, sigmoid
 SIGLIP_TEXT = "siglip-text"  # bidirectional attention, pooled at the last position, BPE tokenizer

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import Dict, List, Tuple
 
 import open_clip
@@ -30,9 +29,10 @@ from fewclip.backbones.backbone import Backbone
 from fewclip.training.engine import CachedFeatures, TrainConfig, train_loop
 from fewclip.features.encode import Features
 from fewclip.backbones.geometry import make_geometry
-from tiny_clip import state_sha256, tiny_images, tiny_openai_state_dict
+from helpers.tiny_clip import state_sha256, tiny_images, tiny_openai_state_dict
+from helpers.parity import FIXTURE_ROOT
 
-FIXTURES = Path(__file__).resolve().parent / "fixtures" / "prompt_ref"
+FIXTURES = FIXTURE_ROOT / "prompt_ref"
 TOLERANCE = 1e-4
 Check = Tuple[str, torch.Tensor, torch.Tensor]
 COOP_FIXTURES = ["coop_unified", "coop_csc", "coop_middle", "coop_front", "coop_word"]

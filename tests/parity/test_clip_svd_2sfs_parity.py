@@ -3,7 +3,6 @@ README there): logits before and after one AdamW step, the cross-entropy loss, e
 gradient and the singular values after the step. The largest differences are printed by
 ``python -m pytest -q tests/test_tower_parity.py -s``."""
 import json
-from pathlib import Path
 
 import open_clip
 import pytest
@@ -15,25 +14,20 @@ from fewclip.adapters.clip_svd import ClipSVD, ClipSVDConfig
 from fewclip.backbones.backbone import OPENAI_EXTRA_KEYS, Backbone
 from fewclip.training.engine import TrainConfig, make_optimizer
 from fewclip.backbones.geometry import make_geometry
-from tiny_clip import state_sha256, tiny_images, tiny_openai_state_dict
+from helpers.tiny_clip import state_sha256, tiny_images, tiny_openai_state_dict
+from helpers.parity import FIXTURE_ROOT, Parity
 
-FIXTURES = Path(__file__).parent / "fixtures" / "tower_ref"
+FIXTURES = FIXTURE_ROOT / "tower_ref"
 TOL = 1e-4  # the issue's tolerance after a training step
-WORST = {}
+PARITY = Parity(TOL)
+check = PARITY.check
 
-
-def check(what, got, want, tol=TOL):
-    diff = float((torch.as_tensor(got).detach().float() - torch.as_tensor(want).float()).abs().max())
-    method = what.split()[0]
-    WORST[method] = max(WORST.get(method, (0.0, "")), (diff, what))
-    assert diff <= tol, f"{what}: max |fewclip - authors| = {diff:.3g} > {tol}"
 
 
 @pytest.fixture(scope="module", autouse=True)
 def report():
     yield
-    for method, (diff, what) in sorted(WORST.items()):
-        print(f"\n{method}: largest difference from the authors' code {diff:.2e} ({what})")
+    PARITY.print_worst()
 
 
 @pytest.fixture(scope="module")

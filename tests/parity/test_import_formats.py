@@ -9,14 +9,13 @@ against open_clip itself, which is installed.
 """
 import json
 import math
-from pathlib import Path
 
 import open_clip
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from checkpoint_layouts import (CLASSNAMES, MERU_IMPORT_OPTIONS, TEMPLATES, euclip_model_config, meru_checkpoint,
+from helpers.checkpoints import (CLASSNAMES, MERU_IMPORT_OPTIONS, TEMPLATES, euclip_model_config, meru_checkpoint,
                                 open_clip_train_checkpoint, openai_archive, tiny_euclip_state_dict, tiny_images,
                                 tiny_meru_state_dict, tiny_openai_fp16)
 from fewclip.backbones.backbone import BackboneError
@@ -24,9 +23,10 @@ from fewclip.cli.main import main
 from fewclip.features.encode import text_prototypes
 from fewclip.backbones.importer import FORMATS, CheckpointImportError, import_checkpoint
 from fewclip.backbones.formats.open_clip import resolve_model
-from tiny_clip import state_sha256
+from helpers.tiny_clip import state_sha256
+from helpers.parity import FIXTURE_ROOT
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = FIXTURE_ROOT
 TOL = 1e-4
 
 

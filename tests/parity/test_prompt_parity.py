@@ -3,7 +3,7 @@ gradients and parameters (tests/fixtures/prompt_ref, computed by the authors' re
 says what each check compares)."""
 import pytest
 
-from prompt_parity import ALL_FIXTURES, TOLERANCE, checks, max_diff, tiny_backbone
+from helpers.prompt_parity import ALL_FIXTURES, TOLERANCE, checks, max_diff, tiny_backbone
 
 
 @pytest.fixture(scope="module")

@@ -3,58 +3,38 @@
 tensor and the parameters after it. The largest differences are printed by
 ``python -m pytest -q tests/test_towers2_parity.py -s``."""
 import json
-from pathlib import Path
 
-import open_clip
 import pytest
 import torch
-from open_clip.model import build_model_from_openai_state_dict
-from safetensors.torch import load_file
 
 from fewclip.adapters.coprompt import CoPrompt, CoPromptConfig
 from fewclip.adapters.dept import DePT, DePTConfig
 from fewclip.adapters.mmrl import MMRL, MMRLConfig
-from fewclip.backbones.backbone import OPENAI_EXTRA_KEYS, Backbone
-from fewclip.training.engine import TrainConfig, cosine_lr, make_optimizer
+from fewclip.backbones.backbone import Backbone
 from fewclip.backbones.geometry import make_geometry
-from tiny_clip import state_sha256, tiny_images, tiny_openai_state_dict
+from helpers.tiny_clip import tiny_images
+from helpers.towers import one_step, tiny  # noqa: F401
+from helpers.parity import FIXTURE_ROOT, fixture_loader, Parity
 
 F = torch.nn.functional
 
-FIXTURES = Path(__file__).parent / "fixtures" / "tower2_ref"
+FIXTURES = FIXTURE_ROOT / "tower2_ref"
 TOL = 1e-4  # the issue's tolerance after a training step; the largest differences seen are printed
-WORST = {}
+PARITY = Parity(TOL)
+check = PARITY.check
 ILL_CONDITIONED = 1e-6  # |gradient| below which Adam's first step (eps 1e-8) amplifies rounding (test_mmrl)
 
 
-def fixture(name):
-    return load_file(str(FIXTURES / f"{name}.safetensors")), json.loads((FIXTURES / f"{name}.json").read_text())
+fixture = fixture_loader(FIXTURES)
 
-
-def check(what, got, want, tol=TOL):
-    diff = float((got.detach().float() - want.float()).abs().max())
-    method = what.split()[0]
-    WORST[method] = max(WORST.get(method, (0.0, "")), (diff, what))
-    assert diff <= tol, f"{what}: max |fewclip - authors| = {diff:.3g} > {tol}"
 
 
 @pytest.fixture(scope="module", autouse=True)
 def report():
     yield
-    for method, (diff, what) in sorted(WORST.items()):
-        print(f"\n{method}: largest difference from the authors' code {diff:.2e} ({what})")
+    PARITY.print_worst()
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    """The tiny OpenAI-layout CLIP as a fewclip backbone in exact float32 (as tests/test_deep_parity.py)."""
-    sd = tiny_openai_state_dict(0)
-    model = build_model_from_openai_state_dict(dict(sd)).float().eval()
-    model.load_state_dict({k: v for k, v in sd.items() if k not in OPENAI_EXTRA_KEYS})
-    scale = float(model.logit_scale.detach().exp())
-    bb = Backbone(model, open_clip.get_tokenizer("ViT-B-32"), make_geometry("clip", logit_scale=scale),
-                  name="tiny-openai", image_size=32, mean=(0, 0, 0), std=(1, 1, 1))
-    return bb, state_sha256(sd)
 
 
 @pytest.fixture(scope="module")
@@ -62,19 +42,6 @@ def images():
     return tiny_images(n=6, seed=1)
 
 
-def one_step(adapter, features, labels, lr, optimizer="sgd", **extra):
-    """One step as fewclip's engine takes it at the base learning rate (no warm-up): its optimiser over the
-    adapter's parameter groups, each at lr x its lr_scale."""
-    opt = make_optimizer(adapter.param_groups() if hasattr(adapter, "param_groups") else
-                         adapter.trainable_parameters(), TrainConfig(lr=lr, optimizer=optimizer))
-    for g in opt.param_groups:
-        g["lr"] = cosine_lr(0, 10, 0, lr * g.get("lr_scale", 1.0), 1e-5)
-    terms = adapter.training_loss(features, labels, **extra)
-    opt.zero_grad()
-    adapter.backward(terms)
-    grads = {n: p.grad.clone() for n, p in adapter.named_parameters() if p.requires_grad}
-    opt.step()
-    return terms, grads
 
 
 # ---------------------------------------------------------------- DePT

@@ -3,32 +3,26 @@ README there): image and text features, logits, the classes a step runs, the los
 learnable tensor and the parameters after it. The largest difference is printed by
 ``python -m pytest -q tests/test_skiptuning_parity.py -s``."""
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from fewclip.adapters.skiptuning import SkipTuning, SkipTuningConfig, run_ranks, skip_classes
-from test_towers2_parity import one_step, tiny  # noqa: F401  (tiny is a fixture)
-from tiny_clip import tiny_images
+from helpers.towers import one_step, tiny  # noqa: F401  (tiny is a fixture)
+from helpers.tiny_clip import tiny_images
+from helpers.parity import FIXTURE_ROOT, Parity
 
-FIXTURES = Path(__file__).parent / "fixtures" / "skiptuning_ref"
+FIXTURES = FIXTURE_ROOT / "skiptuning_ref"
 TOL = 1e-4  # the issue's tolerance after a training step
-WORST = [0.0, ""]
-
-
-def check(what, got, want, tol=TOL):
-    diff = float((got.detach().float() - want.float()).abs().max())
-    if diff >= WORST[0]:
-        WORST[:] = [diff, what]
-    assert diff <= tol, f"{what}: max |fewclip - authors| = {diff:.3g} > {tol}"
+PARITY = Parity(TOL)
+check = PARITY.check
 
 
 @pytest.fixture(scope="module", autouse=True)
 def report():
     yield
-    print(f"\nskiptuning: largest difference from the authors' code {WORST[0]:.2e} ({WORST[1]})")
+    PARITY.print_worst()
 
 
 def their_name(mine: str) -> str:

@@ -14,7 +14,7 @@ from fewclip.adapter.exports import load_prompts
 from fewclip.features.encode import text_prototypes
 from fewclip.runs.run import load_train_config, run_train
 from fewclip.data.splits import test_items as run_test_items
-from test_coop import CARD_GEOMETRIES, SIGLIP_TEXT, backbone, cards  # noqa: F401  (cards is a fixture)
+from helpers.cards import CARD_GEOMETRIES, SIGLIP_TEXT, backbone, cards  # noqa: F401  (cards is a fixture)
 
 TOY = ["toy-clip", "toy-euclip", "toy-meru", "toy-siglip"]
 NAMES = ["circle", "square", "golden retriever"]

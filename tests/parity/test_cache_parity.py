@@ -9,15 +9,11 @@ the adapters in float64 and in float32, fewclip's working precision (logits to 1
 differences are those of the fixture's float32 inputs: its unit vectors have norms 1 +- 3e-8, which the authors
 use as they are and fewclip normalises again (so, e.g., logits at scale 100 differ by up to ~3e-6).
 """
-import dataclasses
-import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from fewclip.adapters._cache import authors_grid, search_alpha_beta
 from fewclip.adapters.clap import Clap, ClapConfig
@@ -28,31 +24,14 @@ from fewclip.adapters.tip_adapter import TipAdapter
 from fewclip.adapters.tip_adapter_f import TipAdapterF, TipAdapterFConfig
 from fewclip.training.engine import CachedFeatures, FitData, TrainConfig, cosine_lr, make_optimizer, train_loop
 from fewclip.features.encode import Features
-from fewclip.backbones.geometry import make_geometry
-from fewclip.runs.run import load_train_config
+from helpers.cache_parity import f64, fixture, FeatureBackbone, authors_config  # noqa: F401
 
-FIXTURES = Path(__file__).parent / "fixtures" / "cache_ref"
-f64 = torch.float64
 # Tolerances, in float64 and float32 alike (the fixture's inputs are float32: see the module docstring).
 LOGITS, PARAM, LOSS = 1e-4, 1e-6, 1e-5
 
 
-def fixture(name):
-    return load_file(str(FIXTURES / f"{name}.safetensors")), json.loads((FIXTURES / f"{name}.json").read_text())
 
 
-class FeatureBackbone:
-    """What the cache-based adapters ask of a backbone: a geometry (clip, scale 100) and a text tower, here a
-    table from the class names c0, c1, ... to the fixture's text features."""
-
-    def __init__(self, text):
-        self.geometry = make_geometry("clip", logit_scale=100.0)
-        self.device = torch.device("cpu")
-        self.names = [f"c{i}" for i in range(len(text))]
-        self.table = dict(zip(self.names, text.double()))
-
-    def encode_text(self, texts):
-        return torch.stack([self.table[t] for t in texts])
 
 
 def build(cls, cfg, text, dtype=torch.float32):
@@ -71,12 +50,6 @@ def maxdiff(a, b):
     return d
 
 
-def authors_config(name, preset="authors", **sizing):
-    """The method's adapter config under ``preset=authors`` (or another of the authors' presets), built as
-    ``fewclip train adapter=NAME preset=authors`` builds it (``sizing``: fields the fixture's small problem sets,
-    e.g. the number of epochs)."""
-    cfg = load_train_config([f"adapter={name}", f"preset={preset}"]).adapter
-    return dataclasses.replace(cfg, **sizing)
 
 
 def fit_data(train, views, val, cfg=None):

@@ -19,8 +19,8 @@ from fewclip.cli.main import main
 from fewclip.training.engine import CachedFeatures, TrainConfig, train_loop
 from fewclip.runs.export import export_run
 from fewclip.features.encode import Features, text_prototypes
-from test_coop import CARD_GEOMETRIES, SHAPES
-from test_deep import CLASSNAMES, TOY, cards, load, pixels, snapshot, unchanged  # noqa: F401 (fixture)
+from helpers.cards import CARD_GEOMETRIES, SHAPES
+from helpers.deep import CLASSNAMES, TOY, cards, load, pixels, snapshot, unchanged  # noqa: F401 (fixture)
 
 TEMPLATE = ["a photo of a {}."]
 EVERY = TOY + list(CARD_GEOMETRIES) + ["siglip-text", "custom-blocks"]

@@ -24,8 +24,8 @@ from typing import Dict
 import numpy as np
 import torch
 
-from tiny_clip import CONFIG as OPENAI_CONFIG
-from tiny_clip import tiny_openai_state_dict
+from helpers.tiny_clip import CONFIG as OPENAI_CONFIG
+from helpers.tiny_clip import tiny_openai_state_dict
 
 CLASSNAMES = ["cat", "dog", "golden retriever", "red car", "photo"]
 TEMPLATES = ["a photo of a {}.", "a drawing of the {}.", "itap of a {}."]

@@ -5,12 +5,9 @@ Fixtures: tests/fixtures/cache_ref/{gda,proker,prolip}.* (numbers from running t
 there says how). ``FeatureBackbone`` (tests/test_cache_parity.py) stands in for the backbone: the clip geometry
 at scale 100 and a text tower that is a table of the fixture's class text features.
 """
-import json
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from fewclip.adapters.gda import GDA, GDAConfig
 from fewclip.adapters._cache import self_similarity
@@ -22,16 +19,16 @@ from fewclip.utils.errors import NonFiniteError
 from fewclip.features.encode import FeatureCache, Features
 from fewclip.features.store import FeatureStore
 from fewclip.backbones.geometry import make_geometry
-from test_cache_methods import EVERY, NAMES, PARAMS, TEMPLATES, TableBackbone, zero_shot
-from test_cache_parity import FeatureBackbone, authors_config
-from test_coop import backbone, cards, image_features  # noqa: F401  (cards: fixture)
+from helpers.cache import EVERY, NAMES, PARAMS, TEMPLATES, TableBackbone, zero_shot
+from helpers.cache_parity import FeatureBackbone, authors_config
+from helpers.cards import backbone, cards, image_features  # noqa: F401  (cards: fixture)
+from helpers.parity import FIXTURE_ROOT, fixture_loader
 
-FIXTURES = Path(__file__).parent / "fixtures" / "cache_ref"
+FIXTURES = FIXTURE_ROOT / "cache_ref"
 f64 = torch.float64
 
 
-def fixture(name):
-    return load_file(str(FIXTURES / f"{name}.safetensors")), json.loads((FIXTURES / f"{name}.json").read_text())
+fixture = fixture_loader(FIXTURES)
 
 
 def reldiff(a, b):
