@@ -4,7 +4,8 @@ Fahes et al., "Fine-tuning CLIP's Last Visual Projector: A Few-Shot Cornucopia";
 code (github.com/astra-vision/ProLIP @ b43e795, ``methods/ProLIP.py``, ``configs/base.yaml``,
 ``configs/experiments/few_shot_few_val.yaml``)::
 
-    logits(x) = scale * cos(z P, t)            # z: [B, W] the tower's features before the projection P [W, D]
+    logits(x) = scale * cos(z P + b, t)        # z: [B, W] the tower's features before the projection P [W, D];
+                                               # b: a ResNet's frozen bias (none on a ViT)
     loss = CE + lambda * ||P - P0||^2          # sum of squares (the authors' MSELoss(reduction="sum"))
 
 trained full-batch on cached pre-projection features: epoch e uses augmented view ``(e + 1) mod views`` of
@@ -16,12 +17,23 @@ are the zero-shot logits in every geometry (the projection's output is the tower
 
 Pre-projection features: the adapter's ``feature_tower`` is ``Backbone.tower_variant("preproj")``, so the
 engine gives it the views, validation and test images before the projection. Those are what the feature cache and
-store keep for every tower with a projection (the other methods' features are derived from them: ``fewclip.features.store``),
-so an image and view is encoded once for ProLIP and every other method together. Towers with an open_clip ViT
-projection (``visual.proj``) only; a ResNet's attention pool is refused with a message.
+store keep for every ViT tower (the other methods' features are derived from them: ``fewclip.features.store``), so an
+image and view is encoded once for ProLIP and every other method together. A ResNet tower: below; any other tower
+is refused with a message.
+
+ResNet towers (the authors' ``VisProjRN``, their RN50 and RN101 settings): an open_clip ModifiedResNet ends in its
+attention pool's output projection ``attnpool.c_proj``, a linear map with a bias (``Backbone.image_head``: P its
+weight transposed, b its bias). P trains from the pretrained weight, b stays at its pretrained value (the
+authors' ``bias.requires_grad = False``), and the regulariser is on the weight alone, towards the pretrained
+weight, as above. The pre-projection features are the attention's output before ``c_proj``, computed as the
+authors compute them (``c_proj`` replaced by an identity map and a zero bias inside the attention call). The
+feature store keeps a ResNet's plain features as they are (its projection runs inside the attention pool, so they
+are not derived from these), so on a ResNet ProLIP's pre-projection views and images are encoded apart from the
+other methods' features: one more pass over them. fewclip's defaults there are the same as on a ViT (and as the
+authors', who use one recipe for both).
 
 Geometry: the class points are the geometry's zero-shot prototypes and the logits the geometry's logits of
-``z P`` (the authors' ``100 * normalize(z P) @ t`` in the clip geometry, with the backbone's logit scale).
+``z P + b`` (the authors' ``100 * normalize(z P + b) @ t`` in the clip geometry, with the backbone's logit scale).
 
 Where fewclip differs, and why:
 
@@ -31,6 +43,8 @@ Where fewclip differs, and why:
 * The views are the run's shared augmented views (CoOp's crop), ``views`` of them (the authors save 300).
 * The authors retrain the best (lr, lambda) from scratch; the run is deterministic, so fewclip keeps the
   searched projection itself (the same tensor).
+* Precision: the authors' ``clip.load`` keeps the model in float16 on a GPU, so there the projection, its Adam
+  state and the features are float16; fewclip trains in float32 (the parity fixtures ran their code in float32).
 """
 from __future__ import annotations
 
@@ -88,6 +102,15 @@ class ProLIPConfig(AdapterConfig):
             raise ValueError(f"adapter.tie_break must be one of {', '.join(TIE_BREAKS)}, got {self.tie_break!r}")
 
 
+def image_head(backbone):
+    """``(P [W, D], b [D] or None)``: the backbone's last image projection (``Backbone.image_head``; a stand-in
+    backbone with only ``image_projection`` gives a bias-free one), or None."""
+    if hasattr(backbone, "image_head"):
+        return backbone.image_head()
+    proj = backbone.image_projection() if hasattr(backbone, "image_projection") else None
+    return None if proj is None else (proj, None)
+
+
 class ProLIP(Adapter):
     """The image projection, trained on pre-projection features with an L2 pull towards the pretrained one."""
 
@@ -97,21 +120,27 @@ class ProLIP(Adapter):
     def __init__(self, cfg: ProLIPConfig, backbone, classnames: Sequence[str], templates: Sequence[str], *,
                  generator: Optional[torch.Generator] = None):  # deterministic: starts at the pretrained projection
         super().__init__(cfg, backbone, classnames, templates)
-        proj = backbone.image_projection() if hasattr(backbone, "image_projection") else None
-        if proj is None:
-            raise AdapterError(f"prolip trains the image tower's linear projection (open_clip's visual.proj), which "
-                               f"backbone {getattr(backbone, 'name', '?')} does not have; use a ViT backbone")
+        head = image_head(backbone)
+        if head is None:
+            raise AdapterError(f"prolip trains the image tower's last linear projection (an open_clip ViT's "
+                               f"visual.proj, a ModifiedResNet's attnpool.c_proj), which backbone "
+                               f"{getattr(backbone, 'name', '?')} does not have; use a ViT or ResNet backbone")
+        proj, bias = head
         protos = text_classifier(backbone, self.classnames, self.templates).prototypes
         self.register_buffer("prototypes", protos, persistent=False)  # rebuilt from the class names
         self.register_buffer("initial", proj.detach().float().clone(), persistent=False)  # P0, from the backbone
+        # the ResNet projection's bias [D]: frozen at the backbone's (None for a ViT's projection, which has none)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone(), persistent=False)
         self.projection = nn.Parameter(self.initial.clone())  # [W, D]
 
     def feature_tower(self):
         return self.backbone.tower_variant("preproj")
 
     def logits_with(self, proj: Tensor, z: Tensor) -> Tensor:
-        """The geometry's logits of pre-projection features z [B, W] through the projection [W, D] -> [B, C]."""
-        return self.backbone.geometry.image_logits(z @ proj, self.prototypes.to(z.dtype))
+        """The geometry's logits of pre-projection features z [B, W] through the projection [W, D] (and the
+        frozen bias, a ResNet's) -> [B, C]."""
+        h = z @ proj if self.bias is None else torch.addmm(self.bias.to(z.dtype), z, proj)
+        return self.backbone.geometry.image_logits(h, self.prototypes.to(z.dtype))
 
     def forward(self, features: Tensor) -> Tensor:
         B, W = features.shape

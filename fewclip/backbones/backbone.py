@@ -322,22 +322,48 @@ class Backbone(nn.Module):
         proj = getattr(self.model.visual, "proj", None)
         return proj if isinstance(proj, torch.Tensor) and proj.dim() == 2 else None
 
+    def image_head(self) -> Optional[tuple]:
+        """The image tower's last linear map as ``(P [W, D], b [D] or None)``, ``encode_images = z @ P (+ b)`` on
+        the features z before it: open_clip's ViT ``visual.proj`` (no bias), or a ModifiedResNet's attention-pool
+        output projection ``visual.attnpool.c_proj`` (P its weight transposed, b its bias); None for other towers.
+        ``image_projection`` is the ViT's alone (the feature store derives the plain features from it)."""
+        proj = self.image_projection()
+        if proj is not None:
+            return proj, None
+        c_proj = _attnpool_c_proj(self.model.visual)
+        return (c_proj.weight.t(), c_proj.bias) if c_proj is not None else None
+
     @torch.no_grad()
     def encode_images_preproj(self, pixels: torch.Tensor) -> torch.Tensor:
-        """The image tower's features before its projection [B, W] (float32): ``encode_images = this @
-        image_projection()``. open_clip's ViT applies ``proj`` last when it is not None, so the tower runs with it
-        set aside (open_clip has no public switch for this)."""
+        """The image tower's features before its projection [B, W] (float32): ``encode_images = this @ P (+ b)``
+        (``image_head``). open_clip's ViT applies ``proj`` last when it is not None, so the tower runs with it set
+        aside (open_clip has no public switch for this). A ModifiedResNet's attention pool applies ``c_proj``
+        inside its attention call, so the tower runs with ``c_proj`` an identity map of the attention's width and a
+        zero bias: the attention's output before the projection, computed as ProLIP's authors compute it
+        (astra-vision/ProLIP @ b43e795 ``clip/model.py``, ``AttentionPool2d.forward``)."""
         visual = self.model.visual
         proj = self.image_projection()
-        if proj is None:
-            raise BackboneError(f"backbone {self.name}: its image tower has no linear projection (visual.proj) "
-                                f"whose input fewclip can take; use a ViT tower")
+        c_proj = _attnpool_c_proj(visual) if proj is None else None
+        if proj is None and c_proj is None:
+            raise BackboneError(f"backbone {self.name}: its image tower has no linear projection (a ViT's "
+                                f"visual.proj, a ModifiedResNet's attnpool.c_proj) whose input fewclip can take; "
+                                f"use a ViT or ModifiedResNet tower")
         pixels = pixels.to(self.device, self.dtype)
-        visual.proj = None
+        if proj is not None:
+            visual.proj = None
+            try:
+                return visual(pixels).float()
+            finally:
+                visual.proj = proj
+        w = c_proj.weight
+        identity = nn.Module()  # what the pool reads of c_proj: weight and bias (not nn.Linear: no random init drawn)
+        identity.weight = torch.eye(w.shape[1], dtype=w.dtype, device=w.device)
+        identity.bias = torch.zeros(w.shape[1], dtype=w.dtype, device=w.device)
+        visual.attnpool.c_proj = identity
         try:
             return visual(pixels).float()
         finally:
-            visual.proj = proj
+            visual.attnpool.c_proj = c_proj
 
     def tower_variant(self, name: str) -> "Backbone":
         """This backbone with its image tower's output replaced: ``"preproj"`` gives the features before the
@@ -345,9 +371,10 @@ class Backbone(nn.Module):
         ``variant``, so they are kept apart from the plain ones and encoded once per image and view."""
         if name != "preproj":
             raise BackboneError(f"unknown tower variant {name!r}; the one there is: preproj")
-        if self.image_projection() is None:
-            raise BackboneError(f"backbone {self.name}: its image tower has no linear projection (visual.proj) "
-                                f"whose input fewclip can take; use a ViT tower")
+        if self.image_head() is None:
+            raise BackboneError(f"backbone {self.name}: its image tower has no linear projection (a ViT's "
+                                f"visual.proj, a ModifiedResNet's attnpool.c_proj) whose input fewclip can take; "
+                                f"use a ViT or ModifiedResNet tower")
         variants = self.__dict__.setdefault("_variants", {})  # (a backbone unpickled from before has none)
         if "preproj" not in variants:
             variants["preproj"] = _PreProjection(self)
@@ -357,7 +384,8 @@ class Backbone(nn.Module):
         """The tower variant whose features the feature cache and store keep for this backbone's: the
         pre-projection variant where the image tower ends in a linear projection (the projected features are
         derived from them by ``project_features``, so one encoding of an image serves ProLIP and every other
-        method); None where the tower's own output is kept."""
+        method); None where the tower's own output is kept (a ModifiedResNet's too: its projection runs inside the
+        attention pool, so the plain features are encoded and kept as they are, and ProLIP's apart)."""
         return self.tower_variant("preproj") if self.image_projection() is not None else None
 
     @torch.no_grad()
@@ -400,6 +428,15 @@ class Backbone(nn.Module):
         """A key for what changes the features besides the weights (empty for the plain backbone)."""
 
         return json.dumps(self.local_attention, sort_keys=True) if self.local_attention else ""
+
+
+def _attnpool_c_proj(visual) -> Optional[nn.Linear]:
+    """A ModifiedResNet's attention-pool output projection (open_clip's ``AttentionPool2d.c_proj``), or None."""
+    from open_clip.modified_resnet import AttentionPool2d
+
+    pool = getattr(visual, "attnpool", None)
+    c_proj = getattr(pool, "c_proj", None)
+    return c_proj if isinstance(pool, AttentionPool2d) and isinstance(c_proj, nn.Linear) else None
 
 
 class _PreProjection:
