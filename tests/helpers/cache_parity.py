@@ -2,7 +2,9 @@
 import dataclasses
 import torch
 from fewclip.backbones.geometry import make_geometry
+from fewclip.features.encode import Features
 from fewclip.runs.run import load_train_config
+from fewclip.training.engine import FitData, TrainConfig
 from helpers.parity import FIXTURE_ROOT, fixture_loader
 
 
@@ -31,3 +33,16 @@ def authors_config(name, preset="authors", **sizing):
     e.g. the number of epochs)."""
     cfg = load_train_config([f"adapter={name}", f"preset={preset}"]).adapter
     return dataclasses.replace(cfg, **sizing)
+
+
+def reldiff(a, b):
+    """max |a - b| / max |b| (printed with ``pytest -s``)."""
+    a, b = a.detach().double(), b.detach().double()
+    d = float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+    print(f"\nmax relative difference {d:.2e}", end="")
+    return d
+
+
+def fit_data(views, labels, val_x, val_y, shots=4):
+    feats = [Features(v, labels) for v in views]
+    return FitData(feats[0], feats, Features(val_x, val_y), TrainConfig(), shots, torch.Generator().manual_seed(0))

@@ -23,25 +23,13 @@ from helpers.cache import EVERY, NAMES, PARAMS, TEMPLATES, TableBackbone, zero_s
 from helpers.cache_parity import FeatureBackbone, authors_config
 from helpers.cards import backbone, cards, image_features  # noqa: F401  (cards: fixture)
 from helpers.parity import FIXTURE_ROOT, fixture_loader
+from helpers.cache_parity import fit_data, reldiff
 
 FIXTURES = FIXTURE_ROOT / "cache_ref"
 f64 = torch.float64
 
 
 fixture = fixture_loader(FIXTURES)
-
-
-def reldiff(a, b):
-    """max |a - b| / max |b| (printed with ``pytest -s``)."""
-    a, b = a.detach().double(), b.detach().double()
-    d = float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
-    print(f"\nmax relative difference {d:.2e}", end="")
-    return d
-
-
-def fit_data(views, labels, val_x, val_y, shots=4):
-    feats = [Features(v, labels) for v in views]
-    return FitData(feats[0], feats, Features(val_x, val_y), TrainConfig(), shots, torch.Generator().manual_seed(0))
 
 
 # ---------------------------------------------------------------- parity with the authors' code

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 import fewclip
 from fewclip.adapter.base import AdapterError
 from fewclip.adapters import build_adapter
-from fewclip.adapter.exports import export_run
+from fewclip.runs.export import export_run
 from fewclip.runs.run import load_train_config, run_train
 from fewclip.adapters.prolip import ProLIP, ProLIPConfig
 from fewclip.backbones.backbone import BackboneConfig, build_open_clip_model, load_backbone
@@ -26,7 +26,7 @@ from fewclip.features.encode import FeatureCache
 from fewclip.features.store import FeatureStore
 from helpers.cache import NAMES, PARAMS, TEMPLATES, zero_shot
 from helpers.cache_parity import FeatureBackbone, authors_config
-from test_gda_proker_prolip import fit_data, reldiff
+from helpers.cache_parity import fit_data, reldiff
 from helpers.parity import FIXTURE_ROOT
 
 FIXTURES = FIXTURE_ROOT / "cache_ref"
