@@ -60,6 +60,7 @@ every class in every split exists; it opens no image.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -426,6 +427,26 @@ def _read_wnid_folders(b: Benchmark, base: Path, image_root: Path, root: Path) -
     return classnames, {"test": items}, wnids
 
 
+def coop_imagenet_pool(dataset: Dataset) -> List[Item]:
+    """ImageNet's training images as CoOp lists them (``datasets/imagenet.py`` ``read_data``): the sorted class
+    folders of ``images/train``, each in ``os.listdir`` order without hidden files; fewclip's training and
+    held-out validation images together (``fewclip.data.coop_sampler``)."""
+    by_id = {it.id: it for split in ("train", "val") for it in dataset.splits.get(split, [])}
+    train_dir = Path(dataset.root) / "train"
+    pool: List[Item] = []
+    for wnid in dataset.class_ids:
+        for name in os.listdir(train_dir / wnid):
+            if name.startswith("."):
+                continue
+            item = by_id.get(f"train/{wnid}/{name}")
+            if item is None:
+                raise DatasetError(f"{train_dir / wnid / name} is not an image fewclip reads, but CoOp's ImageNet "
+                                   f"reader samples it; move it out of {train_dir} to draw CoOp's images "
+                                   f"(data.sampler=coop)")
+            pool.append(item)
+    return pool
+
+
 _READERS = {"zhou": _read_zhou, "aircraft": _read_aircraft, "imagenet": _read_imagenet,
             "imagenet_v2": _read_imagenet_v2, "wnid_folders": _read_wnid_folders}
 
@@ -462,7 +483,10 @@ def build_benchmark(b: Benchmark, cfg: DataConfig) -> Dataset:
         check_files(image_root, items, source=source, layout=b.layout, every=False)
     if b.test_only and not splits["test"]:
         raise _layout_error(b, f"no test images found under {image_root}", root)
-    return Dataset(b.name, classnames, _templates(b), splits, image_root, class_ids=class_ids)
+    dataset = Dataset(b.name, classnames, _templates(b), splits, image_root, class_ids=class_ids)
+    if b.reader == "imagenet" and not cfg.split_file:  # CoOp's pool differs (data.sampler=coop)
+        dataset.coop_pool = partial(coop_imagenet_pool, dataset)
+    return dataset
 
 
 for _b in BENCHMARKS.values():

@@ -3,7 +3,6 @@ split.json, written and read back, checked against datasets, and used by runs (d
 import hashlib
 import json
 import os
-import pickle
 import shutil
 import subprocess
 import sys
@@ -261,20 +260,6 @@ def test_wrong_format_names_the_file_and_the_expected_format(shapes, tmp_path, n
     assert len(err.splitlines()) == 1 and str(path) in err
 
 
-def test_pickles_are_refused_unread(tmp_path, monkeypatch):
-    def no_unpickling(*a, **k):
-        raise AssertionError("a split file was unpickled")
-
-    monkeypatch.setattr(pickle, "load", no_unpickling)
-    monkeypatch.setattr(pickle, "loads", no_unpickling)
-    payload = pickle.dumps({"train": [], "val": []})
-    for name in ("shot_16-seed_1.pkl", "disguised.json"):  # by name, and by a pickle's first byte
-        path = tmp_path / name
-        path.write_bytes(payload)
-        with pytest.raises(SplitFileError, match="is a pickle .*does not load pickles.*can run any code"):
-            read_file(path)
-
-
 def test_splits_that_do_not_fit_the_run(shapes, tmp_path):
     drawn = make_few_shot_split(shapes, 2, 1)
     path = tmp_path / "s.json"
@@ -330,11 +315,36 @@ def test_import_compares_with_the_draw_of_a_seed(tmp_path, capsys):
     path = tmp_path / "s.csv"
     assert main(["split", "export", "data=toy-shapes", "shots=2", "seed=7", "format=manifest", f"out={path}"]) == 0
     assert main(["split", "import", str(path), "data=toy-shapes", "seed=7"]) == 0
-    assert "2-shot draw of seed 7: the same images" in capsys.readouterr().out
+    assert ("2-shot draw of seed 7 (data.sampler=fewclip): the same training and validation images"
+            in capsys.readouterr().out)
     assert main(["split", "import", str(path), "data=toy-shapes", "seed=8"]) == 0
-    assert "2-shot draw of seed 8: other images" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "2-shot draw of seed 8 (data.sampler=fewclip): other training and validation images (" in out
+    assert main(["split", "import", str(path), "data=toy-shapes", "seed=7", "data.sampler=coop"]) == 0
+    out = capsys.readouterr().out  # toy-shapes lists classes in label order, each with more than 2 images: CoOp's
+    assert "CoOp's 2-shot draw of seed 7 (data.sampler=coop): other validation images (" in out  # training draw
+    assert out.rstrip().endswith("; the same training images")  # is fewclip's; its validation draw is not
     ids_only = tmp_path / "ids.txt"
     assert main(["split", "export", "data=toy-shapes", "shots=2", "seed=7", "format=manifest", f"out={ids_only}"]) == 0
     assert main(["split", "import", str(ids_only), "data=toy-shapes", "shots=2"]) == 0
     out = capsys.readouterr().out
     assert "train: 16 images, 2 per class" in out and "val: none (none in the file: a run draws them" in out
+
+
+def test_import_names_what_differs_with_counts(shapes, tmp_path, capsys):
+    """The same training images with other validation images is not "other images" (and the reverse)."""
+    drawn = make_few_shot_split(shapes, 2, 7)
+    taken = {it.id for it in drawn.train + drawn.val}
+    spare = [it for it in shapes.items("val") if it.id not in taken]
+    other_val = [spare[0], spare[1]] + drawn.val[2:]  # two validation images swapped for others
+    other_train = [it for it in shapes.items("train") if it.id not in taken and it.label == drawn.train[0].label]
+    cases = [(drawn.train, other_val, "other validation images (2 of the file's 16 validation images are not in the "
+                                      "draw, 2 of the draw's 16 not in the file); the same training images"),
+             ([other_train[0]] + drawn.train[1:], drawn.val,
+              "other training images (1 of the file's 16 training images are not in the draw, 1 of the draw's 16 not "
+              "in the file); the same validation images")]
+    for train, val, says in cases:
+        path = tmp_path / "s.csv"
+        write_file(drawn.__class__(2, 7, train, val), shapes, "manifest", path)
+        assert main(["split", "import", str(path), "data=toy-shapes", "seed=7"]) == 0
+        assert f"2-shot draw of seed 7 (data.sampler=fewclip): {says}" in capsys.readouterr().out

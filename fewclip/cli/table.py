@@ -66,8 +66,8 @@ COMMANDS: Tuple[Command, ...] = (
         f"{HEAVY}:cmd_split", options="fewclip.data.split_files:SplitOptions",
         usage=("usage: fewclip split export data=NAME [data.root=PATH] [shots=16] [seed=1] format=zhou|2sfs|manifest|"
                "fewclip out=FILE | fewclip split import FILE data=NAME [data.root=PATH] [shots=K] [seed=S]: few-shot "
-               "split files (CoOp's split_zhou JSON, 2SFS JSON lines, manifests); a run trains on one with "
-               "data.fewshot_file=FILE")),
+               "split files (CoOp's split_zhou JSON and split_fewshot pickles, 2SFS JSON lines, manifests); a run "
+               "trains on one with data.fewshot_file=FILE")),
     Command("report", ("seed-averaged tables and the accuracy-vs-shots plot: fewclip report runs/demo",),
             f"{HEAVY}:cmd_report", options="fewclip.config.report:ReportOptions",
             usage=("usage: fewclip report RUN_DIR [RUN_DIR ...] [key=value ...]: seed-averaged tables (Markdown, "

@@ -48,9 +48,14 @@ class DataConfig:
         "Optional split file (CoOp's ``split_zhou_*.json`` format) overriding the dataset's train/val/test split; "
         "a few-shot split (the images a run trains on) is data.fewshot_file.")})
     fewshot_file: Optional[str] = field(default=None, metadata={"help": (
-        "A few-shot split file to train on instead of fewclip's seeded draw: CoOp's split_zhou JSON, 2SFS's "
-        "JSON lines, a manifest of image ids or a run's split.json (`fewclip split import FILE` checks one); "
-        "{shots}, {seed} and {dataset} in it are filled in per run. The run records the file and its sha256.")})
+        "A few-shot split file to train on instead of fewclip's seeded draw: CoOp's split_zhou JSON or "
+        "split_fewshot pickle, 2SFS's JSON lines, a manifest of image ids or a run's split.json (`fewclip split "
+        "import FILE` checks one); {shots}, {seed} and {dataset} in it are filled in per run. The run records the "
+        "file and its sha256.")})
+    sampler: str = field(default="fewclip", metadata={"help": (
+        'How the few-shot images are drawn: "fewclip" (the default: classes in label order, each class its draw) '
+        'or "coop" (CoOp\'s own images: Dassl\'s generate_fewshot_dataset, train then val from one generator '
+        'seeded with the run\'s seed; fewclip.data.coop_sampler).')})
     templates: str = field(default="single", metadata={"help": (
         '"single": the dataset\'s first prompt template, the one hand-made template per dataset of CoOp\'s protocol'
         ' (the default of every command and every shipped sweep); "ensemble": all of them, averaged per class.')})
@@ -74,6 +79,8 @@ class DataConfig:
         bad = [t for t in self.prompts if not isinstance(t, str) or t.count("{}") != 1]
         if bad:
             raise ValueError(f"data.prompts: each template needs exactly one '{{}}' for the class name; bad: {bad[:3]}")
+        if self.sampler not in ("fewclip", "coop"):
+            raise ValueError(f"data.sampler must be 'fewclip' or 'coop', got {self.sampler!r}")
         if self.templates not in ("ensemble", "single"):
             raise ValueError(f"data.templates must be 'ensemble' or 'single', got {self.templates!r}")
         if self.batch_size < 1:

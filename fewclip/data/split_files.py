@@ -1,7 +1,7 @@
 """Few-shot split files in the formats others publish: read, check against a dataset, write.
 
 A published split says which images a few-shot number came from. fewclip reads
-and writes four formats:
+five formats and writes four:
 
 * ``zhou``: CoOp's ``split_zhou_*.json`` (KaiyangZhou/CoOp, ``datasets/oxford_pets.py``
   ``OxfordPets.save_split``/``read_split``): one JSON object with ``train``, ``val`` and
@@ -17,18 +17,19 @@ and writes four formats:
 * ``manifest``: image ids, one per line (the training images; labels from the
   dataset), or CSV ``id,label,split`` (``split`` train or val).
 * ``fewclip``: the ``split.json`` a run writes (``fewclip.data.splits``).
-
-CoOp's few-shot pickles (``split_fewshot/shot_{K}-seed_{S}.pkl``) are refused:
-loading a pickle can run any code the file holds, and fewclip never runs code
-from a file it reads.
+* ``coop_pickle`` (read only): CoOp's own few-shot pickles
+  (``<dataset>/split_fewshot/shot_{K}-seed_{S}.pkl``), through an unpickler that
+  builds Dassl's ``Datum`` records and plain containers only and refuses
+  anything else unrun (``fewclip.data.coop_pickle``).
 
 A file's paths are matched to a dataset's image ids exactly, or by their
 longest trailing part that names one image (``$DATA/oxford_pets/images/a.jpg``,
 ``oxford_pets/images/a.jpg`` and ``images/a.jpg`` all find the id
 ``images/a.jpg``). The images are ordered as fewclip's own draw orders them (by
 class, then by the dataset's order), so a file gives the same run whatever the
-order of its lines. A file without validation images leaves them to fewclip's
-seeded draw (``make_few_shot_split``). Torch-free.
+order of its lines. A file without validation images (CoOp's ImageNet pickles)
+leaves them to fewclip's seeded draw (``make_few_shot_split``'s) from the
+held-out images that are not the file's training images. Torch-free.
 """
 from __future__ import annotations
 
@@ -41,11 +42,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from fewclip.data.coop_pickle import CoopPickleError, load_coop_pickle, stated as coop_stated
+from fewclip.data.coop_sampler import draw_split
 from fewclip.data.base import DataConfig, Dataset, DatasetError, Item
 from fewclip.utils.io import atomic_write_text
-from fewclip.data.splits import VAL_SHOTS_MAX, FewShotSplit, derive_seed, make_few_shot_split, sample_few_shot
+from fewclip.data.splits import VAL_SHOTS_MAX, FewShotSplit, derive_seed, sample_few_shot
 
-FORMATS = ("zhou", "2sfs", "manifest", "fewclip")
+FORMATS = ("zhou", "2sfs", "manifest", "fewclip", "coop_pickle")
+WRITTEN = ("zhou", "2sfs", "manifest", "fewclip")
 PICKLE_SUFFIXES = (".pkl", ".pickle")
 TWOSFS_KEYS = ("_impath", "_label", "_domain", "_classname")
 MANIFEST_HEADER = ["id", "label", "split"]
@@ -63,6 +67,7 @@ EXPECTED = {
              '{"_impath": path, "_label": int, "_domain": int, "_classname": name}'),
     "manifest": "a manifest: one image id a line, or CSV with the header id,label,split",
     "fewclip": 'the split.json of a fewclip run ({"format": "fewclip.fewshot/1", ...})',
+    "coop_pickle": "CoOp's split_fewshot/shot_K-seed_S.pkl: a dict of 'train' (and 'val') lists of Dassl Datum",
 }
 
 
@@ -79,8 +84,9 @@ class SplitOptions:
         "(and draw the validation images of a file without them)")})
     format: Optional[str] = field(default=None, metadata={"help": (
         "zhou (CoOp's split_zhou JSON), 2sfs (2SFS JSON lines, writes _train.jsonl and _val.jsonl), manifest "
-        "(CSV id,label,split; a .txt out: one training id a line) or fewclip (a run's split.json); "
-        "import: read from the file when not given")})
+        "(CSV id,label,split; a .txt out: one training id a line), fewclip (a run's split.json) or, to import, "
+        "coop_pickle (CoOp's split_fewshot/shot_K-seed_S.pkl, read without running it); import: read from the "
+        "file when not given")})
     out: Optional[str] = field(default=None, metadata={"help": (
         "export: the file to write (2sfs: a folder, or a path ending _train.jsonl)")})
 
@@ -155,12 +161,9 @@ def _is_pickle(path: Path, data: bytes) -> bool:
 
 
 def detect_format(path: Path, data: bytes) -> str:
-    """The format of a file from its name and first bytes (a pickle is refused here)."""
+    """The format of a file from its name and first bytes (a pickle: CoOp's, read by the restricted unpickler)."""
     if _is_pickle(path, data):
-        raise SplitFileError(
-            f"{path} is a pickle (CoOp's split_fewshot/shot_K-seed_S.pkl); fewclip does not load pickles, since "
-            f"loading one can run any code the file holds: write the split as JSON (CoOp's split_zhou layout) or "
-            f"a manifest instead, or take 2SFS's published JSON-lines splits of the same seeds")
+        return "coop_pickle"
     if path.suffix.lower() == ".jsonl":
         return "2sfs"
     if path.suffix.lower() == ".json":
@@ -298,8 +301,8 @@ def read_file(path: str | os.PathLike, fmt: Optional[str] = None) -> SplitFile:
     data = _read_bytes(path)
     if fmt is None:
         fmt = detect_format(path, data)
-    elif _is_pickle(path, data):
-        detect_format(path, data)  # the pickle refusal
+    elif _is_pickle(path, data) and fmt != "coop_pickle":
+        raise _wrong(path, fmt, "it is a pickle; CoOp's few-shot pickles are format=coop_pickle")
     if fmt not in FORMATS:
         raise SplitFileError(f"unknown split file format {fmt!r}; formats: {', '.join(FORMATS)}")
     files = {str(path): _sha256(data)}
@@ -308,6 +311,14 @@ def read_file(path: str | os.PathLike, fmt: Optional[str] = None) -> SplitFile:
         train, val = _parse_zhou(path, data)
     elif fmt == "manifest":
         train, val = _parse_manifest(path, data)
+    elif fmt == "coop_pickle":
+        try:
+            records = load_coop_pickle(path, data)
+        except CoopPickleError as e:
+            raise SplitFileError(str(e)) from None
+        train, val = ([Entry(_relpath(d.impath, path, fmt, f"{d.impath!r}"), _label(d.label, path, fmt, d.impath),
+                             d.classname) for d in rs] if rs is not None else None for rs in records)
+        shots, seed = coop_stated(path)
     elif fmt == "2sfs":
         train_path, val_path = _twosfs_pair(path)
         if train_path != path:
@@ -478,8 +489,9 @@ def resolve(sf: SplitFile, dataset: Dataset, *, seed: Optional[int] = None, shot
         val = ordered(found["val"])
     elif seed is None:  # nothing to draw them with: `fewclip split import` without seed=
         val = []
-    else:
-        pool = dataset.splits.get("val", [])
+    else:  # the held-out images that are not the file's training images (CoOp's ImageNet files draw from all)
+        taken = {it.id for it in train}
+        pool = [it for it in dataset.splits.get("val", []) if it.id not in taken]
         k = min(shots if shots is not None else stated, VAL_SHOTS_MAX)
         picked = sample_few_shot([it.label for it in pool], k, derive_seed(seed, "val"), allow_fewer=True) \
             if pool else []
@@ -579,7 +591,9 @@ def write_file(split: FewShotSplit, dataset: Dataset, fmt: str, out: str | os.Pa
         plain = FewShotSplit(split.shots, split.seed, split.train, split.val, split.dataset, split.classnames,
                              split.allow_fewer)
         return [atomic_write_text(out, json.dumps(plain.to_json(), indent=2) + "\n")]
-    raise SplitFileError(f"unknown split file format {fmt!r}; formats: {', '.join(FORMATS)}")
+    if fmt in FORMATS:
+        raise SplitFileError(f"format={fmt} is read only; fewclip writes {', '.join(WRITTEN)}")
+    raise SplitFileError(f"unknown split file format {fmt!r}; formats: {', '.join(WRITTEN)}")
 
 
 # ---------------------------------------------------------------------------
@@ -594,7 +608,7 @@ def export_split(opts: SplitOptions, dataset: Dataset) -> str:
     fmt = opts.format or "zhou"
     seed = 1 if opts.seed is None else opts.seed
     shots = 16 if opts.shots is None else opts.shots
-    split = make_few_shot_split(dataset, shots, seed, allow_fewer=opts.data.allow_fewer_shots)
+    split = draw_split(dataset, shots, seed, allow_fewer=opts.data.allow_fewer_shots, sampler=opts.data.sampler)
     paths = write_file(split, dataset, fmt, opts.out, root=opts.data.root)
     return (f"{dataset.name}: {shots}-shot split of seed {seed}, {len(split.train)} training and "
             f"{len(split.val)} validation images of {len(dataset.classnames)} classes, as {fmt} -> "
@@ -624,9 +638,31 @@ def import_split(opts: SplitOptions, path: str, dataset: Dataset) -> str:
              f"  train: {len(split.train)} images, {_per_class(split.train, n)}",
              "  val: " + (f"{len(split.val)} images, {_per_class(split.val, n)}" if split.val else "none") + val_note]
     if opts.seed is not None:
-        own = make_few_shot_split(dataset, split.shots, opts.seed, allow_fewer=True)
-        same = ([it.id for it in own.train] == [it.id for it in split.train]
-                and [it.id for it in own.val] == [it.id for it in split.val])
-        lines.append(f"  fewclip's own {split.shots}-shot draw of seed {opts.seed}: "
-                     + ("the same images" if same else "other images"))
+        sampler = opts.data.sampler
+        own = draw_split(dataset, split.shots, opts.seed, allow_fewer=True, sampler=sampler)
+        lines.append(f"  {'fewclip' if sampler == 'fewclip' else 'CoOp'}'s {split.shots}-shot draw of seed {opts.seed}"
+                     f" (data.sampler={sampler}): " + compare(split, own))
     return "\n".join(lines)
+
+
+def _differ(mine: Sequence[Item], other: Sequence[Item]) -> Tuple[int, int]:
+    """(images of ``mine`` that ``other`` lacks, images of ``other`` that ``mine`` lacks)."""
+    a, b = {it.id for it in mine}, {it.id for it in other}
+    return len(a - b), len(b - a)
+
+
+def compare(split: FewShotSplit, own: FewShotSplit) -> str:
+    """What differs between a file's split and a draw: the training images, the validation images, both or
+    neither, with counts."""
+    diffs: Dict[str, str] = {}
+    for what, mine, other in (("training", split.train, own.train), ("validation", split.val, own.val)):
+        only_file, only_draw = _differ(mine, other)
+        if only_file or only_draw:
+            diffs[what] = (f"{only_file} of the file's {len(mine)} {what} images are not in the draw, "
+                           f"{only_draw} of the draw's {len(other)} not in the file")
+    if not diffs:
+        return "the same training and validation images"
+    if len(diffs) == 2:
+        return f"other training and validation images ({diffs['training']}; {diffs['validation']})"
+    (what, text), = diffs.items()
+    return f"other {what} images ({text}); the same {'validation' if what == 'training' else 'training'} images"

@@ -6,7 +6,8 @@ seed like any other. ``make_few_shot_split`` applies it to a dataset, k per
 class from ``train`` and, as in CoOp, ``min(k, 4)`` per class from ``val``
 (with a seed derived from ``seed``, so validation and training draws are
 independent). ``write_split``/``read_split`` store the result next to the
-results, so a reader can see exactly which images a number came from.
+results, so a reader can see exactly which images a number came from. CoOp's own
+draw (``data.sampler=coop``) is ``fewclip.data.coop_sampler``.
 """
 from __future__ import annotations
 
@@ -41,6 +42,23 @@ def _by_class(labels: Sequence[int]) -> Dict[int, List[int]]:
     return groups
 
 
+def check_enough(groups: Dict[int, List[int]], classes: Sequence[int], k: int,
+                 classnames: Optional[Sequence[str]], allow_fewer: bool) -> None:
+    """A ``DatasetError`` naming the classes of ``classes`` with fewer than ``k`` items in ``groups`` (label ->
+    indices), unless ``allow_fewer``."""
+    short = [y for y in classes if len(groups.get(y, ())) < k]
+    if short and not allow_fewer:
+        def name(y: int) -> str:
+            return repr(classnames[y]) if classnames is not None else f"label {y}"
+
+        listed = ", ".join(f"{name(y)} ({len(groups.get(y, ()))})" for y in short[:5])
+        more = f" and {len(short) - 5} more" if len(short) > 5 else ""
+        raise DatasetError(
+            f"{len(short)} class(es) have fewer than shots={k} images to sample from: {listed}{more}; "
+            f"set data.allow_fewer_shots=true to use all images of such classes"
+        )
+
+
 def sample_few_shot(
     labels: Sequence[int],
     k: int,
@@ -63,17 +81,7 @@ def sample_few_shot(
     rng = random.Random(seed)
     groups = _by_class(labels)
     classes = range(len(classnames)) if classnames is not None else sorted(groups)
-    short = [y for y in classes if len(groups.get(y, ())) < k]
-    if short and not allow_fewer:
-        def name(y: int) -> str:
-            return repr(classnames[y]) if classnames is not None else f"label {y}"
-
-        listed = ", ".join(f"{name(y)} ({len(groups.get(y, ()))})" for y in short[:5])
-        more = f" and {len(short) - 5} more" if len(short) > 5 else ""
-        raise DatasetError(
-            f"{len(short)} class(es) have fewer than shots={k} images to sample from: {listed}{more}; "
-            f"set data.allow_fewer_shots=true to use all images of such classes"
-        )
+    check_enough(groups, classes, k, classnames, allow_fewer)
     chosen: List[int] = []
     for y in classes:
         idx = groups.get(y, [])
@@ -115,6 +123,9 @@ class FewShotSplit:
     # Where the split was read from (``data.fewshot_file``: path, format, sha256; ``fewclip.data.split_files``);
     # None: drawn by ``make_few_shot_split``.
     source: Optional[Dict[str, Any]] = None
+    # Which draw made it (``data.sampler``: "fewclip" or "coop", ``fewclip.data.coop_sampler``); written only when "coop",
+    # so the split.json of a run of fewclip's draw is as before.
+    sampler: str = "fewclip"
 
     def to_json(self) -> Dict[str, Any]:
         out = {
@@ -129,6 +140,8 @@ class FewShotSplit:
         }
         if self.source is not None:
             out["source"] = dict(self.source)
+        if self.sampler != "fewclip":
+            out["sampler"] = self.sampler
         return out
 
     @classmethod
@@ -157,6 +170,7 @@ class FewShotSplit:
             classnames=[str(c) for c in obj.get("classnames", [])],
             allow_fewer=bool(obj.get("allow_fewer_shots", False)),
             source=obj["source"] if isinstance(obj.get("source"), dict) else None,
+            sampler=str(obj.get("sampler", "fewclip")),
         )
 
 
@@ -170,7 +184,8 @@ def make_few_shot_split(dataset: Dataset, shots: int, seed: int, allow_fewer: bo
     picked = sample_few_shot(
         [it.label for it in train], shots, seed, classnames=dataset.classnames, allow_fewer=allow_fewer
     )
-    val = dataset.splits.get("val", [])
+    taken = {train[i].id for i in picked}
+    val = [it for it in dataset.splits.get("val", []) if it.id not in taken]  # an image listed in both is training
     val_picked = sample_few_shot(
         [it.label for it in val], min(shots, VAL_SHOTS_MAX), derive_seed(seed, "val"), allow_fewer=True
     ) if val else []
@@ -213,3 +228,15 @@ def test_items(dataset: Dataset, max_test: Optional[int]) -> List[Item]:
     if max_test is not None and max_test < len(items):
         items = subsample_test(items, max_test, TEST_SUBSET_SEED)
     return items
+
+
+def check_val_apart(split: FewShotSplit) -> FewShotSplit:
+    """``split`` if none of its validation images is one of its training images, else a ``DatasetError`` naming
+    them: a model chosen on validation images it trained on is chosen on nothing."""
+    train = {it.id for it in split.train}
+    both = [it.id for it in split.val if it.id in train]
+    if both:
+        listed = ", ".join(map(repr, both[:5])) + (f" and {len(both) - 5} more" if len(both) > 5 else "")
+        raise DatasetError(f"{len(both)} validation image(s) of the few-shot split of {split.dataset!r} are also "
+                           f"training images: {listed}; a split must keep them apart (fix the split file)")
+    return split

@@ -51,8 +51,9 @@ from fewclip.config.presets import (check_test_choice, get_preset, in_effect, me
 from fewclip.data.protocols import ProtocolPlan, harmonic_mean, make_plan, write_protocol_split
 from fewclip.runs.records import Identity, Run, RunLock, config_dict, data_part, open_run, run_identity, weights_checksum
 from fewclip.training.transductive import rescore_plan
-from fewclip.data.splits import TEST_SUBSET_SEED, FewShotSplit, make_few_shot_split, test_items, write_split
+from fewclip.data.splits import TEST_SUBSET_SEED, FewShotSplit, check_val_apart, test_items, write_split
 from fewclip.data.split_files import split_from_file
+from fewclip.data.coop_sampler import draw_split
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +148,7 @@ class RunResources:
 
     # DataConfig fields that say how a dataset is used, not what build_dataset returns: runs that differ only in
     # them share one dataset object (and so its rendered images and cached features).
-    USE_ONLY = ("templates", "allow_fewer_shots", "batch_size", "workers", "max_test", "fewshot_file")
+    USE_ONLY = ("templates", "allow_fewer_shots", "batch_size", "workers", "max_test", "fewshot_file", "sampler")
 
     def dataset(self, cfg: DataConfig) -> Dataset:
         key = to_yaml(dataclasses.replace(cfg, **{f: getattr(DataConfig(), f) for f in self.USE_ONLY}))
@@ -173,9 +174,10 @@ def few_shot_split(cfg: TrainRunConfig, plan: ProtocolPlan) -> Optional[FewShotS
     if not adapter_info(cfg.adapter.name).trains:
         return None
     if cfg.data.fewshot_file:
-        return split_from_file(cfg.data.fewshot_file, plan.source, plan.train, shots=cfg.shots, seed=cfg.seed,
-                               allow_fewer=cfg.data.allow_fewer_shots)
-    return make_few_shot_split(plan.train, cfg.shots, cfg.seed, allow_fewer=cfg.data.allow_fewer_shots)
+        return check_val_apart(split_from_file(cfg.data.fewshot_file, plan.source, plan.train, shots=cfg.shots,
+                                               seed=cfg.seed, allow_fewer=cfg.data.allow_fewer_shots))
+    return draw_split(plan.train, cfg.shots, cfg.seed, allow_fewer=cfg.data.allow_fewer_shots,
+                      sampler=cfg.data.sampler)
 
 
 def shots_per_class(split: FewShotSplit, classnames: Sequence[str]) -> Dict[str, int]:
@@ -202,6 +204,7 @@ def run_identity_of(cfg: RunConfig, backbone: Backbone, plan, split=None) -> Ide
     if not adapter_info(conf["adapter"]["name"]).trains:
         conf.pop("train", None)
         conf.get("data", {}).pop("fewshot_file", None)  # it trains on no images: no split file either
+        conf.get("data", {}).pop("sampler", None)  # nor a draw
     mode, max_test = cfg.data.templates, cfg.data.max_test
     evals = None
     if plan.protocol != "fewshot":
