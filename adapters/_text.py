@@ -290,8 +290,8 @@ def class_prompts(tower: TextTower, classnames: Sequence[str], ctx_ids: Sequence
                   backbone_name: str, suffix: str = ".") -> PromptLayout:
     """Each class's prompt ``[start] ctx name suffix [end]`` (``assemble_prompts`` at ``position``) as the
     tower's tokenizer gives it, with the checks every prompt method needs, each a one-line error naming
-    the fix: every class name gives tokens, no two classes give the same prompt, the longest prompt fits
-    the tower's context."""
+    the fix: every class name gives tokens, the longest prompt fits the tower's context (two classes may
+    give the same prompt: the command reports them once, ``fewclip.data.class_names``)."""
     ends = tower.prompt_ends()
     names = []
     for name in classnames:
@@ -302,13 +302,8 @@ def class_prompts(tower: TextTower, classnames: Sequence[str], ctx_ids: Sequence
                                f"the dataset's folder names or split file")
     layout = assemble_prompts(names, ctx_ids, position, start=ends.start, end=ends.end,
                               suffix=tower.encode_words(suffix))
-    seen = {}
-    for name, seq in zip(classnames, layout.tokens):
-        if tuple(seq) in seen:
-            raise AdapterError(f"class names {seen[tuple(seq)]!r} and {name!r} give the same tokens with the "
-                               f"tokenizer of backbone {backbone_name!r} (e.g. unknown words all become its "
-                               f"<unk> token), so the text tower cannot tell them apart; rename one of them")
-        seen[tuple(seq)] = name
+    # Two classes may give the same prompt (CLIP's ImageNet names repeat 'missile'): they run as they are, as
+    # the authors' CoOp runs them; the command reports them once, before any run (fewclip.data.class_names).
     longest = max(len(s) for s in layout.tokens)
     if longest > tower.context_length:
         worst = classnames[max(range(len(classnames)), key=lambda i: len(layout.tokens[i]))]

@@ -287,7 +287,7 @@ class MergedClassifier(PrototypeClassifier):
 
     def with_classnames(self, classnames: Sequence[str]) -> "MergedClassifier":
 
-        return type(self)(self.backbone, self.meta, self.path, check_classnames(classnames, "with_classnames"))
+        return type(self)(self.backbone, self.meta, self.path, check_classnames(classnames, "with_classnames", warn=True))
 
 
 @torch.no_grad()

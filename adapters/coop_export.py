@@ -224,7 +224,7 @@ class PromptClassifier(PrototypeClassifier):
         serves a subset or reordering of them, and refuses unseen names.
         """
 
-        names = check_classnames(classnames, "with_classnames")
+        names = check_classnames(classnames, "with_classnames", warn=True)
         p = self.meta["prompt"]
         if p["csc"]:
             unseen = [n for n in names if n not in self.classnames]
@@ -233,7 +233,16 @@ class PromptClassifier(PrototypeClassifier):
                     f"cannot classify unseen class(es) {unseen}: this prompt file has a class-specific context "
                     f"(csc=true), one learned context per trained class and none for a new name. Export a "
                     f"unified-context run (adapter.csc=false) to use the prompts with new class names")
-            rows = [self.classnames.index(n) for n in names]
+            # The k-th time a name is asked for, the k-th trained class of that name (names may repeat, as
+            # ImageNet's 'missile'): the trained list itself maps to itself, row for row.
+            where: Dict[str, List[int]] = {}
+            for y, n in enumerate(self.classnames):
+                where.setdefault(n, []).append(y)
+            used: Dict[str, int] = {}
+            rows = []
+            for n in names:
+                k = used[n] = used.get(n, -1) + 1
+                rows.append(where[n][min(k, len(where[n]) - 1)])
             idx = torch.tensor(rows, device=self.ctx.device)
             tensors = {"ctx": self.ctx[idx], "prototypes": self.prototypes[idx],
                        "text_features": self.text_features[idx]}

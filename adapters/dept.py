@@ -196,6 +196,18 @@ class DePT(Adapter):
         other.learner.load_adapter_state_dict(self.learner.adapter_state_dict())
         return other.to(self.backbone.device).eval()
 
+    def for_target(self, classnames: Sequence[str], templates: Sequence[str], class_map=None) -> "DePT":
+        """A target holding every trained class in label order (a domain-shift target: ImageNet-V2, -Sketch)
+        gets the head, as the authors' ``'ImageNet' in DATASET.NAME`` rule gives it (Koorye/DePT@d4ff416
+        trainers/elp_coop.py:38-39); any other target the learned prompts alone, even one whose class names are
+        the trained ones (a cross-dataset target). A class subset (ImageNet-A, -R) also gets the prompts alone:
+        the authors' rule would build a 200-class head, which their 1000-class checkpoint does not load into."""
+        if class_map is not None and list(class_map) == list(range(len(self.classnames))):
+            return self
+        other = type(self)(self.cfg, self.backbone, classnames, templates, head=False)
+        other.learner.load_adapter_state_dict(self.learner.adapter_state_dict())
+        return other.to(self.backbone.device).eval()
+
 
 register_adapter("dept", DePTConfig, DePT, export=STATE)
 

@@ -28,9 +28,10 @@ with v, t the class-token image points and the text points, v0 the frozen image 
 same view (the feature cache, ``wants_frozen_features``; their code runs a second image tower every step)
 and t0 the frozen text tower's features of the same template (computed once), the cosines taken in the
 geometry's linear space (for CLIP: the features, as theirs). Scoring follows the authors: the trained
-classes get ``alpha * logits + (1 - alpha) * logits_rep`` (base-to-novel's base classes, few-shot, the
-cross-dataset source); other class names (``for_classnames``: new classes, cross-dataset and domain-shift
-targets) the class-token logits alone.
+data it was trained on gets ``alpha * logits + (1 - alpha) * logits_rep`` (base-to-novel's base classes,
+few-shot, the cross-dataset or domain-shift source); every other test set (``for_target``: new classes,
+cross-dataset targets, and domain-shift targets even where they keep the trained class names, as ImageNet-V2
+and -Sketch do) the class-token logits alone.
 
 ``encode_images`` returns both image features side by side, [B, 2D] (class token, then representation);
 ``forward`` also takes [B, D] features (another image tower's), scored by the class-token logits alone.
@@ -257,6 +258,15 @@ class MMRL(Adapter):
             return self
         other = type(self)(self.cfg, self.backbone, classnames, templates or self.templates,
                            fused=list(classnames) == self.classnames)
+        other.load_adapter_state_dict(self.adapter_state_dict())
+        return other.to(self.backbone.device).eval()
+
+    def for_target(self, classnames: Sequence[str], templates: Sequence[str], class_map=None) -> "MMRL":
+        """Any test set but the training data gets the class-token logits alone, whatever its class names: the
+        authors' ``test`` (yunncheng/MMRL@27d8821 trainers/mmrl.py:421-426) fuses on the base classes (B2N), the
+        few-shot task (FS) and ImageNet itself (CD), and scores ImageNet-V2 and -Sketch, which keep
+        ImageNet's class names, like every other target (``cross_datasets_test.sh``: ``TASK CD``)."""
+        other = type(self)(self.cfg, self.backbone, classnames, templates or self.templates, fused=False)
         other.load_adapter_state_dict(self.adapter_state_dict())
         return other.to(self.backbone.device).eval()
 

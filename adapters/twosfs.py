@@ -167,8 +167,19 @@ class TwoSFS(TowerWeightsAdapter):
 
     def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> "TwoSFS":
         """Other class names: a trained class keeps its classifier row, any other name gets the text prototype
-        of the stage-1 text tower (their ``infer``)."""
-        if list(classnames) == self.classnames and (list(templates) or ["a photo of a {}."]) == self.templates:
+        of the stage-1 text tower (their ``infer``, which knows a class by its name; a name that several
+        trained classes share is their rows in turn, so the trained list maps to itself)."""
+        return self._for(classnames, templates, None)
+
+    def for_target(self, classnames: Sequence[str], templates: Sequence[str], class_map=None) -> "TwoSFS":
+        """A domain-shift target's classes (``class_map``: their trained labels) keep their classifier rows by
+        label, not by name; other targets as ``for_classnames``."""
+        return self._for(classnames, templates, list(class_map) if class_map is not None else None)
+
+    def _for(self, classnames: Sequence[str], templates: Sequence[str], rows: Optional[List[int]]) -> "TwoSFS":
+        same_rows = rows is None or rows == list(range(len(self.classnames)))
+        if (list(classnames) == self.classnames and same_rows
+                and (list(templates) or ["a photo of a {}."]) == self.templates):
             return self
         other = type(self)(self.cfg, self.backbone, classnames, templates)
         other.ln.load_state_dict(self.ln.state_dict())
@@ -177,10 +188,9 @@ class TwoSFS(TowerWeightsAdapter):
             g = self.backbone.geometry
             other.classifier.copy_(g.to_linear(other._protos(g)))
             if self._stage == 2:
-                own = {c: i for i, c in enumerate(self.classnames)}
-                for j, c in enumerate(other.classnames):
-                    if c in own:
-                        other.classifier[j] = self.classifier[own[c]]
+                for j, i in enumerate(rows if rows is not None else _rows_by_name(self.classnames, classnames)):
+                    if i is not None:
+                        other.classifier[j] = self.classifier[i]
                 other.stage.fill_(2)
                 other._stage = 2
         other._stage_trainable()
@@ -197,6 +207,23 @@ class TwoSFS(TowerWeightsAdapter):
         not part of an open_clip model."""
         sd = dict(self.model.state_dict())
         return self._check_merged(sd)
+
+
+def _rows_by_name(trained: Sequence[str], names: Sequence[str]) -> List[Optional[int]]:
+    """For each of ``names``, the trained row of that name (the k-th time a name is asked for, the k-th trained
+    class of that name, or its last one), None for a name not trained on."""
+    where: Dict[str, List[int]] = {}
+    for i, c in enumerate(trained):
+        where.setdefault(c, []).append(i)
+    used: Dict[str, int] = {}
+    out: List[Optional[int]] = []
+    for c in names:
+        if c not in where:
+            out.append(None)
+            continue
+        k = used[c] = used.get(c, -1) + 1
+        out.append(where[c][min(k, len(where[c]) - 1)])
+    return out
 
 
 register_adapter("2sfs", TwoSFSConfig, TwoSFS, export=TOWER)

@@ -170,12 +170,7 @@ def read_split_file(
     if not names:
         raise DatasetError(f"split file {path} lists no images")
     old_labels = sorted(names)
-    classnames = [clean_classname(rename.get(names[y], names[y])) for y in old_labels]
-    seen: Dict[str, int] = {}
-    for y, c in zip(old_labels, classnames):
-        if c in seen:
-            raise DatasetError(f"split file {path}: labels {seen[c]} and {y} both name class {c!r}")
-        seen[c] = y
+    classnames = [clean_classname(rename.get(names[y], names[y])) for y in old_labels]  # labels may share a name
     new_label = {y: i for i, y in enumerate(old_labels)}
     splits = {s: [Item(rel, new_label[y]) for rel, y in rows] for s, rows in entries.items()}
     return classnames, splits
@@ -227,13 +222,9 @@ def _scan_folder(root: Path) -> Tuple[List[str], Dict[str, List[Item]]]:
         parts = {"train": ids[:n_train], "val": ids[n_train : n_train + n_val], "test": ids[n_train + n_val :]}
         for split, part in parts.items():
             splits[split].extend(Item(i, label) for i in sorted(part))
-    names = [clean_classname(f) for f in folders]
-    for i, n in enumerate(names):  # folders `a_b` and `a b` are one class name in the prompts
-        twin = next((folders[j] for j in range(i) if names[j].lower() == n.lower()), None)
-        if twin is not None:
-            raise DatasetError(f"class folders {twin!r} and {folders[i]!r} in data.root={str(root)!r} both give the "
-                               f"class name {n!r} (underscores become spaces); rename one of them")
-    return names, splits
+    # Folders `a_b` and `a b` give one class name: two classes with the same prompt, which a run reports
+    # (fewclip.data.class_names); each folder stays its own class.
+    return [clean_classname(f) for f in folders], splits
 
 
 def build_folder(cfg: DataConfig) -> Dataset:

@@ -293,13 +293,14 @@ def test_import_fewclip_stays_light():
     assert out.stdout.strip() == "False"
 
 
-def test_with_classnames_refuses_a_string_one_class_and_duplicates(clf):
+def test_with_classnames_refuses_a_string_one_class_and_warns_of_duplicates(clf, caplog):
     from fewclip.datasets import DatasetError
 
     with pytest.raises(DatasetError, match=r"with_classnames: expected a list of class names, got the string 'abc'"):
         clf.with_classnames("abc")  # list("abc") would be three classes a, b, c
-    with pytest.raises(DatasetError, match="the class name 'circle' occurs twice"):
-        clf.with_classnames(["circle", "circle"])  # would give 0.5 / 0.5 for every image
+    twice = clf.with_classnames(["circle", "circle", "square"])  # a class is its label: names may repeat
+    assert "with_classnames: classes with the same name (so the same prompt): 'circle' (labels 0, 1)" in caplog.text
+    assert twice.classnames == ["circle", "circle", "square"]
     with pytest.raises(DatasetError, match="at least 2 classes"):
         clf.with_classnames(["circle"])
 

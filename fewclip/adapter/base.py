@@ -148,6 +148,16 @@ class Adapter(nn.Module):
         raise AdapterError(f"adapter {self.name!r} learns one weight per trained class and cannot score other "
                            f"class names; use a method that adapts the text side (e.g. coop) for new classes")
 
+    def for_target(self, classnames: Sequence[str], templates: Sequence[str],
+                   class_map: Optional[Sequence[int]] = None) -> "Adapter":
+        """What scores a test set that is not the data this adapter was trained on (a domain-shift or
+        cross-dataset target, new classes), even one whose class names are the trained ones (ImageNet-V2 has
+        ImageNet's): the same class names are not the same task. ``class_map[i]``: the trained label of the
+        target's class i where its classes are trained ones (a domain-shift target), else None. Default:
+        ``for_classnames``. A method whose authors score their training data and other test sets by different
+        heads overrides it (MMRL fuses its two logits only on the data it was trained on)."""
+        return self.for_classnames(classnames, templates)
+
     def rebuilt_for(self, classnames: Sequence[str], templates: Sequence[str]) -> "Adapter":
         """This adapter's class and config built for other class names and templates, holding this adapter's
         learned tensors, in eval mode: ``for_classnames`` of a method whose tensors do not depend on the class

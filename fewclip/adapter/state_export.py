@@ -99,7 +99,7 @@ class AdapterClassifier(Classifier):
 
     def with_classnames(self, classnames: Sequence[str]) -> "AdapterClassifier":
 
-        names = check_classnames(classnames, "with_classnames")
+        names = check_classnames(classnames, "with_classnames", warn=True)
         if not self.adapter.supports_new_classes:
             raise ExportError(f"a {self.adapter.name} export classifies its own classes only: the method learns "
                               f"one weight or cache entry per trained class")

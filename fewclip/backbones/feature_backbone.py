@@ -77,6 +77,13 @@ class FeatureBackbone:
                                f"{len(self.templates)} template(s) only")
         return torch.stack([self.table[t] for t in texts]) if texts else torch.empty(0, self.text.shape[-1])
 
+    def stored_class_text(self, classnames: Sequence[str], templates: Sequence[str]) -> Optional[Tensor]:
+        """The stored [C, T, D] where asked for exactly these classes and templates: each class's own row, by its
+        label, even where two classes share a name (``encode_text`` looks prompts up by their text); else None."""
+        if list(classnames) == self.classnames and list(templates) == self.templates:
+            return self.text
+        return None
+
     def encode_images(self, pixels: Tensor) -> Tensor:
         raise TowerMissing("the image tower: a feature backbone has image features only, no images or tower")
 

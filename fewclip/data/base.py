@@ -110,11 +110,12 @@ def folder_dataset_name(root: Optional[str]) -> str:
     return safe if safe and safe.lower() not in RESERVED_NAMES else "folder"
 
 
-def check_classnames(classnames: Sequence[str], what: str = "class names") -> List[str]:
+def check_classnames(classnames: Sequence[str], what: str = "class names", warn: bool = False) -> List[str]:
     """The class names as a list, refusing what cannot be a classification task: a bare string (which
-    would be split into characters), fewer than two classes (a one-class task scores 100%), empty
-    names, and names that differ only in case or spacing (tokenizers lower-case them: the prompts,
-    and so the classes, would be identical)."""
+    would be split into characters), fewer than two classes (a one-class task scores 100%) and empty
+    names. A name may repeat (CLIP's ImageNet names hold 'missile' and 'sunglasses' twice): a class is its
+    label, its name only a prompt (``fewclip.data.class_names``; a run says once which classes share a prompt).
+    ``warn``: a warning naming repeated names (up to case and spacing), for a caller that is not a run."""
     if isinstance(classnames, (str, bytes)):
         raise DatasetError(f"{what}: expected a list of class names, got the string {classnames!r} (it would be split "
                            f"into characters); pass [{classnames!r}] or a list of names")
@@ -125,13 +126,14 @@ def check_classnames(classnames: Sequence[str], what: str = "class names") -> Li
     if len(names) < 2:
         raise DatasetError(f"{what}: {len(names)} class ({', '.join(map(repr, names)) or 'none'}); classifying "
                            f"needs at least 2 classes (with one, every prediction is right)")
-    seen: Dict[str, str] = {}
-    for n in names:
-        key = " ".join(n.lower().split())
-        if key in seen:
-            same = "twice" if seen[key] == n else f"and {seen[key]!r} (the same name for a tokenizer)"
-            raise DatasetError(f"{what}: the class name {n!r} occurs {same}; every class needs its own name")
-        seen[key] = n
+    if warn:
+        import logging
+
+        from fewclip.data.class_names import describe_groups, identical_prompt_groups
+        groups = identical_prompt_groups(names)
+        if groups:
+            logging.getLogger(__name__).warning("%s: classes with the same name (so the same prompt): %s", what,
+                                                describe_groups(names, groups))
     return names
 
 

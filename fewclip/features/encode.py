@@ -28,6 +28,7 @@ from fewclip.backbones.backbone import Backbone
 from fewclip.utils.errors import os_error_message
 from fewclip.utils.progress import progress
 from fewclip.features.address import address
+from fewclip.data.class_names import class_keys
 
 log = logging.getLogger(__name__)
 
@@ -310,6 +311,9 @@ def class_text_features(backbone: Backbone, classnames: Sequence[str], templates
     bad = [t for t in templates if t.count("{}") != 1]
     if bad:
         raise ValueError(f"each prompt template needs exactly one '{{}}' for the class name; bad: {bad}")
+    held = getattr(backbone, "stored_class_text", None)  # a feature file's rows, by label (names may repeat)
+    if held is not None and (own := held(classnames, templates)) is not None:
+        return own
     texts = [t.format(c) for c in classnames for t in templates]
     raw = backbone.encode_text(texts)  # C*T, D
     return raw.reshape(len(classnames), len(templates), -1)
@@ -333,7 +337,7 @@ def accuracy(logits: torch.Tensor, labels: torch.Tensor, classnames: Sequence[st
     labels = labels.cpu()
     correct = (pred == labels).float()
     per_class = {}
-    for c, name in enumerate(classnames):
+    for c, name in enumerate(class_keys(classnames)):  # a repeated name gets its label: no class is merged
         m = labels == c
         per_class[name] = round(100.0 * float(correct[m].mean()), 4) if m.any() else None
     return {"top1": round(100.0 * float(correct.mean()), 4), "per_class": per_class, "n_test": int(labels.numel())}

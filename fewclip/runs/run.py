@@ -38,6 +38,7 @@ from fewclip.adapter.base import AdapterConfig, adapter_info, build_adapter
 from fewclip.backbones.backbone import Backbone, BackboneConfig, load_backbone
 from fewclip.config.compose import (ConfigError, RunConfig, TrainRunFields, compose, find_yaml, load_yaml, section_name_of,
                      split_args, to_object, to_yaml, train_base)
+from fewclip.data.class_names import class_keys, plan_identical_prompts, warn_records
 from fewclip.training.cost import RunCost
 from fewclip.data.base import DataConfig, Dataset, build_dataset
 from fewclip.training.engine import RunFeatures, TrainConfig, evaluate, fit_adapter
@@ -183,9 +184,10 @@ def few_shot_split(cfg: TrainRunConfig, plan: ProtocolPlan) -> Optional[FewShotS
 def shots_per_class(split: FewShotSplit, classnames: Sequence[str]) -> Dict[str, int]:
     """The training images each class got in ``split`` (fewer than the shots asked where a class has fewer and
     ``data.allow_fewer_shots`` is set)."""
-    counts = {c: 0 for c in classnames}
+    keys = class_keys(classnames)  # a repeated name gets its label: no class is merged
+    counts = {c: 0 for c in keys}
     for it in split.train:
-        counts[classnames[it.label]] += 1
+        counts[keys[it.label]] += 1
     return counts
 
 
@@ -224,13 +226,15 @@ def _load_backbone(cfg: BackboneConfig) -> Backbone:
 
 def run_train(cfg: TrainRunConfig, out: Path, *, backbone: Optional[Backbone] = None, dataset=None,
               plan: Optional[ProtocolPlan] = None, cache: Optional[FeatureCache] = None, method: Optional[str] = None,
-              lock: Optional[RunLock] = None, overwrite: Optional[bool] = None) -> Dict:
+              lock: Optional[RunLock] = None, overwrite: Optional[bool] = None, report_prompts: bool = True) -> Dict:
     """Train one adapter on one few-shot split (none for an adapter that trains on nothing) of the protocol
     plan's training dataset and score it on every test set of the plan; ``method`` labels it in metrics.json.
     ``plan`` (or ``dataset``, its source) and ``backbone`` are built from ``cfg`` when not given; ``cache``
     shares frozen-tower features between the runs of a sweep. An existing run in ``out`` is handled by
     ``records.open_run``; ``lock``: the directory's lock, already held by the caller. ``cfg.log``: where the run
-    is also logged (``fewclip.utils.explog``)."""
+    is also logged (``fewclip.utils.explog``). Classes with identical prompts are a warning before the run
+    (``report_prompts``; a sweep warns once for all its runs and passes False) and ``identical_prompts`` in
+    metrics.json."""
     check_log(cfg.log)  # a missing logging library fails before any work
     if plan is None:
         log.info("reading the dataset %s (%s protocol)", cfg.data.name, cfg.protocol)
@@ -238,19 +242,24 @@ def run_train(cfg: TrainRunConfig, out: Path, *, backbone: Optional[Backbone] = 
     if backbone is None:
         backbone = backbone_of(plan.source, cfg, _load_backbone)  # a feature file brings its own
     split = few_shot_split(cfg, plan)
+    same_prompts = plan_identical_prompts(backbone, plan, cfg.data.templates)
+    if report_prompts:
+        warn_records(same_prompts, backbone=backbone.name)
+    elif same_prompts:
+        log.info("identical prompts (reported by the sweep): %s", same_prompts)
     identity = run_identity_of(cfg, backbone, plan, split)
     with open_run(out, identity, overwrite=cfg.overwrite if overwrite is None else overwrite, lock=lock) as run:
         if run.done:
             log.info("%s: already finished with this config; overwrite=true runs it again", out)
             return run.metrics
         with logging_run(cfg.log, out, config_dict(cfg), to_yaml(cfg)) as xlog:
-            metrics = _train(run, cfg, out, backbone, plan, cache, split, method)
+            metrics = _train(run, cfg, out, backbone, plan, cache, split, method, same_prompts)
             xlog.final(metrics)
         return metrics
 
 
 def _train(run: Run, cfg: TrainRunConfig, out: Path, backbone: Backbone, plan: ProtocolPlan,
-           cache: Optional[FeatureCache], split, method: Optional[str]) -> Dict:
+           cache: Optional[FeatureCache], split, method: Optional[str], same_prompts=()) -> Dict:
     atomic_write_text(out / "config.yaml", to_yaml(cfg))
     cost = RunCost(backbone.device)  # from here: the backbone and datasets are shared by a sweep's runs
     files = ["config.yaml"]
@@ -311,6 +320,7 @@ def _train(run: Run, cfg: TrainRunConfig, out: Path, backbone: Backbone, plan: P
         "seed": cfg.seed,
         "templates": list(adapter.templates),
         "templates_mode": cfg.data.templates,
+        "identical_prompts": list(same_prompts),  # classes sharing a prompt (fewclip.data.class_names), per dataset
         **info,
         **cost.record(sum(p.numel() for p in adapter.trainable_parameters())),
         "backbone_info": backbone.describe(),

@@ -8,6 +8,7 @@ each run once.
 """
 from __future__ import annotations
 
+import json
 import logging
 import re
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 
 from fewclip.adapter.base import adapter_info
+from fewclip.data.class_names import plan_identical_prompts, warn_records
 from fewclip.config.compose import ConfigError, section_name_of, to_yaml
 from fewclip.config.dataset_entries import sweep_datasets
 from fewclip.utils.errors import FewclipError
@@ -150,6 +152,8 @@ def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, Any
     resources = context.resources
 
     plans = []
+    same_prompts: Dict[str, List[str]] = {}  # classes sharing a prompt -> the backbones they do with
+    checked = set()  # (backbone, test sets, templates) already checked: once each, not once per run
     for r, c in progress(list(zip(runs, parsed)), desc="sweep: planning", unit="run", leave=False):
         try:
             bb, plan = resources(c)
@@ -157,6 +161,17 @@ def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, Any
         except FewclipError as e:
             raise _in_run(e, r) from e
         plans.append(_Planned(r, c, identity, run_state(out / r["dir"], identity)))
+        key = (bb.name, plan.train.name, tuple(e.dataset.name for e in plan.evals), c.data.templates)
+        if key in checked:
+            continue
+        checked.add(key)
+        records = plan_identical_prompts(bb, plan, c.data.templates)
+        if records:
+            seen = same_prompts.setdefault(json.dumps(records), [])
+            if bb.name not in seen:
+                seen.append(bb.name)
+    for records, backbones in same_prompts.items():  # once for the sweep, before any run; each run records it
+        warn_records(json.loads(records), backbone=", ".join(backbones), where="sweep")
     for p in plans:
         if p.state.finished:  # a lock or temporary file left by a process killed after it finished the run
             tidy(out / p.run["dir"], stale_after_s=cfg.lock_timeout_s)

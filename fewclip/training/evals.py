@@ -11,7 +11,9 @@ scored is decided once per test set, by what the adapter says it can do
   (``adapter.supports_new_classes``: zero-shot, unified CoOp, LoRA):
   ``adapter.for_classnames(names, templates)`` with the test set's own class
   names and its own dataset's templates (the adapter itself where those are
-  its own);
+  its own) on the data it was trained on, ``adapter.for_target`` on every
+  other test set (the same class names are not the same task: MMRL fuses its
+  heads only on its training data);
 * the training classes, for any adapter: the adapter itself;
 * some of the training classes (a domain-shift target with a subset of the
   classes, ImageNet-A/R, toy-shapes-outline) and an adapter with one weight per
@@ -54,13 +56,19 @@ class RestrictedLogits:
         return restrict_logits(self.adapter(features), self.class_map)
 
 
-def scorer_for(adapter, eval_set: EvalSet, templates: Sequence[str]) -> Tuple[Optional[Any], Optional[str], str]:
+def scorer_for(adapter, eval_set: EvalSet, templates: Sequence[str], trained_on: bool = True
+               ) -> Tuple[Optional[Any], Optional[str], str]:
     """``(scorer, scored_by, reason)``: what scores ``eval_set`` (called on raw image features [B, D], giving
     logits over the test set's classes in its label order) and how (one of ``SCORED_BY``). ``scorer`` is None
-    where the adapter cannot score these classes, and ``reason`` then says why."""
+    where the adapter cannot score these classes, and ``reason`` then says why. ``trained_on``: whether the
+    test set is of the data the adapter was trained on (the plan's training dataset: ``all``, ``base``,
+    ``source``); any other test set is a target (``adapter.for_target``), whatever its class names."""
     names = list(eval_set.dataset.classnames)
     if adapter.supports_new_classes:
-        scorer = adapter.for_classnames(names, list(templates))
+        if trained_on:
+            scorer = adapter.for_classnames(names, list(templates))
+        else:
+            scorer = adapter.for_target(names, list(templates), eval_set.class_map)
         return scorer, ("adapter" if scorer is adapter else "for_classnames"), ""
     if names == list(adapter.classnames):
         return adapter, "adapter", ""
@@ -83,7 +91,7 @@ def score_plan(adapter, plan: ProtocolPlan, *, templates: str, max_test: Optiona
         items = test_items(e.dataset, max_test)
         entry: Dict[str, Any] = {"dataset": e.source_dataset, "view": e.dataset.name,
                                  "n_classes": len(e.dataset.classnames), "templates": list(prompts)}
-        scorer, how, reason = scorer_for(adapter, e, prompts)
+        scorer, how, reason = scorer_for(adapter, e, prompts, trained_on=e.dataset is plan.train)
         if scorer is None:
             log.info("%s: n/a (%s)", e.name, reason)
             out[e.name] = {"top1": None, "per_class": None, "n_test": len(items), **entry, "scored_by": None,

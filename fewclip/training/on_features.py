@@ -16,6 +16,7 @@ such a dataset brings instead of loading ``backbone=``.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -88,15 +89,28 @@ class FeatureClassifier:
 
 def fit_features(method: str, train_x: Tensor, train_y: Tensor, classnames: Sequence[str], text: Tensor,
                  geometry: Union[Geometry, str, Dict[str, Any]], *, val: Optional[Pair] = None,
-                 templates: Sequence[str] = ("{}",), views: Optional[Tensor] = None, seed: int = 1,
+                 templates: Sequence[str] = ("{}",), view_features: Optional[Tensor] = None, seed: int = 1,
                  train: Optional[Dict[str, Any]] = None, **options: Any) -> FeatureClassifier:
     """Fit ``method`` (a registered name) on raw image features ``train_x`` [N, D] with labels ``train_y`` [N];
     ``text`` [C, D] or [C, T, D] are the raw text features of ``templates`` filled with ``classnames`` (for the
     clip geometry, the class prototypes themselves do); ``geometry`` a ``Geometry``, a name or ``{"name",
-    "params"}``; ``val`` the validation pair the method selects on; ``views`` [V, N, D] augmented views of the
-    training images (without them, the plain features); ``train`` overrides of the ``train`` section;
-    ``options`` the method's config fields (``alpha_grad="accumulated"``). The run's seed draws anything random."""
+    "params"}``; ``val`` the validation pair the method selects on; ``view_features`` [V, N, D] augmented views of
+    the training images (a feature file's ``train.views``; without them, the plain features); ``train``
+    overrides of the ``train`` section; ``options`` the method's config fields, every one of them by its own name
+    (``alpha_grad="accumulated"``, ``views=4``: how many views GDA or Tip-Adapter uses). The run's seed draws
+    anything random. (``views=`` given a tensor is read as ``view_features``, as it was spelled before.)"""
     info = adapter_info(method)
+    if isinstance(options.get("views"), Tensor):
+        if view_features is not None:
+            raise ValueError("fit_features: the augmented views are given twice (view_features= and a tensor as "
+                             "views=); pass them as view_features= and the method's view count as views=N")
+        view_features = options.pop("views")
+    views = view_features
+    fields = sorted(f.name for f in dataclasses.fields(info.config_cls))
+    unknown = sorted(set(options) - set(fields))
+    if unknown:
+        raise ValueError(f"fit_features: method {method!r} has no option {', '.join(map(repr, unknown))}; its "
+                         f"options are {', '.join(fields) or 'none'}")
     cfg = info.config_cls(**options)
     names = list(classnames)
     text = text[:, None, :] if text.dim() == 2 else text

@@ -246,7 +246,7 @@ def rescore_plan(mode: str, adapter, plan, evals: Dict[str, Dict[str, Any]], *, 
             entry[f"top1_{mode}"] = None
             continue
         prompts = e.dataset.prompts(templates)
-        scorer, _, _ = scorer_for(adapter, e, prompts)
+        scorer, _, _ = scorer_for(adapter, e, prompts, trained_on=e.dataset is plan.train)
         # the frozen tower's test features come from the cache and were counted when scored; an adapted image
         # tower encodes them again, and that is counted
         features = RunFeatures(adapter, e.dataset, None, train_cfg, seed=seed, cache=cache,

@@ -185,7 +185,7 @@ def _run(spec: RunSpec, context: WorkerContext, lock) -> Dict[str, Any]:
     backbone, plan = context.resources(cfg)
     log.info("run %s on %s (pid %d)", spec.dir, socket.gethostname(), os.getpid())
     return run_train(cfg, spec.path, backbone=backbone, plan=plan, cache=context.cache, method=spec.method,
-                     lock=lock, overwrite=True)
+                     lock=lock, overwrite=True, report_prompts=False)  # the sweep reported them, once
 
 
 def worker_setup(threads: Optional[int] = None, log_level: str = "info") -> None:
