@@ -152,8 +152,15 @@ def train_config(adapter: Optional[str] = None, *, options: Optional[Mapping[str
 
 def run_config(cfg, out: Optional[PathLike] = None, default: Optional[str] = None) -> Run:
     """Run a composed train config into ``out`` (else ``cfg.out``, else the command's default folder)."""
-    folder = prepare_dir(Path(out or cfg.out or default or default_train_dir(cfg)), "out")
-    run_train(cfg, folder, cache=_store_cache())
+    path = Path(out or cfg.out or default or default_train_dir(cfg))
+    fresh = not path.exists()
+    folder = prepare_dir(path, "out")
+    try:
+        run_train(cfg, folder, cache=_store_cache())
+    except BaseException:  # a folder this call made and nothing was written to is removed (a failed run stays)
+        if fresh and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+        raise
     return Run(folder, read_json(folder / "metrics.json"))  # as recorded: with its run record
 
 

@@ -121,7 +121,7 @@ CASES = [
     ("fake-lora-weights", lambda f: ["predict", f"prompts={f['fake_lora2']}", str(f["img"])], 2,
      ["adapter_model.safetensors is damaged or not a safetensors file"]),
     ("predict-on-a-folder", lambda f: ["predict", f"prompts={f['prompts']}", str(f["img_dir"])], 2,
-     ["is a folder", "image files"]),
+     ["a folder without image files"]),  # a folder stands for its images (tests/test_predict_and_failed.py)
     ("prompts-is-a-plain-folder", lambda f: ["predict", f"prompts={f['empty_dir']}", str(f["img"])], 2,
      ["is a folder but not a fewclip export", "fewclip export"]),
     ("negative-seed", lambda f: [*TRAIN, "seed=-1", f"out={f['tmp'] / 't3'}"], 2,
@@ -180,7 +180,8 @@ def test_disk_full_while_writing_the_adapter(tmp_path, capsys, monkeypatch):
     assert "no space left on the device" in err and "adapter.safetensors" in err and "free some space" in err
     assert "Traceback" not in err
     assert not (out / "metrics.json").exists()
-    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "split.json"]  # no temp file, no lock left
+    # the config tried and why it failed; no half-written result (split.json), no temp file, no lock left
+    assert sorted(p.name for p in out.iterdir()) == ["config.yaml", "failed.json"]
 
 
 def test_read_only_out_directory(tmp_path, capsys, monkeypatch):
@@ -239,4 +240,4 @@ def test_as_a_subprocess(files, tmp_path):
     assert not files["marker"].exists()
     z = tmp_path / "z"
     assert (z / "config.yaml").is_file() and not (z / "metrics.json").exists()
-    assert [p.name for p in z.iterdir()] == ["config.yaml"]  # no temporary file, no lock
+    assert sorted(p.name for p in z.iterdir()) == ["config.yaml", "failed.json"]  # no temporary file, no lock

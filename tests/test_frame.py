@@ -303,16 +303,19 @@ def test_long_work_without_a_terminal_is_never_silent(tmp_path):
     text = "\n".join(lines)
     assert "loading the backbone toy-clip" in text and "train coop: at " in text and "loss=" in text
     assert stamps[-1] - stamps[0] > 1.5, "the run was too short to say anything about gaps"
-    # From the first line on (before it: Python's start-up), every gap longer than a few intervals ends with a
-    # progress line whose phase advanced: a line is due at the end of the first unit of work (a training step, a
-    # batch of images) after the interval, so a longer gap is one slow unit on a busy machine, not a silent phase.
+    # From the first line on (before it: Python's start-up), every gap longer than a few intervals ends with a line
+    # of a watcher: a progress line whose phase advanced (a line is due at the end of the first unit of work after
+    # the interval) or the heartbeat's (a thread that speaks while one unit is slow). Anything else ending a long gap
+    # is a phase nobody watched. On a machine so busy that the heartbeat's thread itself waits for a core, the gap
+    # still ends with its line; the bound, 10 s, holds whatever the load (checked at load 8).
     unit = re.compile(r"fewclip\.utils\.progress: (.+?): at (\d+)/\d+ ")
     done, ours = {}, [(s, line) for s, line in zip(stamps, lines) if " fewclip." in line]  # not torch's warnings
     stamps, lines = [s for s, _ in ours], [line for _, line in ours]
     for a, b, line in zip(stamps, stamps[1:], lines[1:]):
         m = unit.search(line)
         if b - a > 1.5:
-            assert m and int(m.group(2)) > done.get(m.group(1), 0), (f"{b - a:.1f} s of silence before: {line}", text)
+            advanced = m and int(m.group(2)) > done.get(m.group(1), 0)
+            assert advanced or "fewclip.utils.heartbeat: " in line, (f"{b - a:.1f} s of silence before: {line}", text)
         if m:
             done[m.group(1)] = int(m.group(2))
     assert max(b - a for a, b in zip(stamps, stamps[1:])) < 10, text  # the bound, whatever the load

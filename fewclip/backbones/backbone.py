@@ -58,6 +58,7 @@ from fewclip.backbones.attention import apply_local_attention
 from fewclip.config.sections import (DEVICE_PATTERN, PRECISIONS, BackboneConfig, LocalAttentionConfig,  # noqa: F401  (re-exported)
                        backbone_config_from_dict)
 from fewclip.backbones.fingerprints import identify
+from fewclip.cli.early_check import backbone_hint
 from fewclip.backbones.geometry import (GEOMETRIES, GEOMETRY_ALIASES, REQUIRED_GEOMETRY_PARAMS, UNSUPPORTED_GEOMETRIES, Geometry,  # noqa: F401
                        canonical_geometry, geometry_of_open_clip, geometry_params, make_geometry)
 from fewclip.utils.logs import quiet_open_clip
@@ -957,7 +958,8 @@ def load_backbone(cfg: BackboneConfig) -> Backbone:
     if name in open_clip.list_models():
         return load_open_clip(cfg)
     raise BackboneError(
-        f"unknown backbone {name!r}: not a card file or folder, not a shipped card "
+        f"unknown backbone {name!r}: {backbone_hint(name, list(cards), open_clip.list_models())}not a card file or "
+        f"folder, not a shipped card "
         f"({', '.join(cards) or 'none shipped'}), and not an open_clip architecture. `fewclip backbones` lists "
         f"what can be loaded."
     )

@@ -6,9 +6,10 @@ import dataclasses
 import importlib
 import logging
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 from omegaconf import OmegaConf
 
@@ -23,6 +24,9 @@ from fewclip.adapter.exports import load_prompts
 from fewclip.runs.export import export_run
 from fewclip.config.compose import FeaturesConfig
 from fewclip.cli.features import cmd_features as features_command
+from fewclip.data.image_check import describe_bad, find_bad_images, n_images
+from fewclip.cli.predict_files import check_out, expand_images, write_predictions
+from fewclip.utils.progress import progress
 from fewclip.backbones.importer import formats_usage, import_from_args
 from fewclip.cli.quickhelp import HEADER
 from fewclip.utils.logs import setup_logging  # fewclip's lines at the chosen level, other libraries' from WARNING up
@@ -68,6 +72,21 @@ def run_dir(out: str | None, default: str) -> Path:
     return prepare_dir(Path(out or default), "out")
 
 
+@contextmanager
+def new_run_dir(out: str | None, default: str) -> Iterator[Path]:
+    """``run_dir``, removed again if the command fails before anything was written in the folder it created (a
+    failed run leaves its ``failed.json``, and stays)."""
+    path = Path(out or default)
+    fresh = not path.exists()
+    made = run_dir(out, default)
+    try:
+        yield made
+    except BaseException:
+        if fresh and made.is_dir() and not any(made.iterdir()):
+            made.rmdir()
+        raise
+
+
 # ---------------------------------------------------------------------------
 # commands
 # ---------------------------------------------------------------------------
@@ -96,7 +115,30 @@ def cmd_backbones(args: Sequence[str]) -> int:
     return 0
 
 
+def cmd_datasets_check(args: Sequence[str]) -> int:
+    """``fewclip datasets check data=NAME data.root=PATH``: every image file of the dataset read once; the
+    unreadable ones listed (exit 1), with the setting that leaves them out."""
+    data = load_config([a for a in args if not a.startswith("-")], RunConfig).data
+    if data.skip_bad_images:
+        raise ConfigError("fewclip datasets check lists the unreadable files; leave data.skip_bad_images out")
+    dataset = build_dataset(data)
+    if getattr(dataset, "root", None) is None:
+        print(f"{dataset.name}: its images are made by code; no files to check")
+        return 0
+    total = n_images(dataset)
+    bad = find_bad_images(dataset)
+    if not bad:
+        print(f"{dataset.name}: all {total} images under {dataset.root} can be read")
+        return 0
+    print(describe_bad(dataset, bad, total))
+    print("data.skip_bad_images=true leaves them out of every run (metrics.json records which), or fix or remove "
+          "the files")
+    return 1
+
+
 def cmd_datasets(args: Sequence[str]) -> int:
+    if args and args[0] == "check":
+        return cmd_datasets_check(args[1:])
     for info in sorted(DATASETS.values(), key=lambda i: (i.needs_root, i.name)):
         print(f"{info.name}\n  {info.description}")
         where = "  no files needed" if not info.needs_root else "  data.root=PATH, expected layout:\n" + "\n".join(
@@ -148,10 +190,10 @@ def cmd_train(args: Sequence[str]) -> int:
     m, out = run.metrics, run.dir
     if "evals" in m:
         print(f"{m['method']} {cfg.shots}-shot{_fewer_words(m)} seed {cfg.seed}, {_protocol_words(m)}: "
-              f"{_evals_line(m)}, {m['train_time_s']:.1f} s -> {out}")
+              f"{_evals_line(m)}, trained in {m['train_time_s']:.1f} s -> {out}")
         return 0
     print(f"{m['method']} {cfg.shots}-shot{_fewer_words(m)} seed {cfg.seed}: top-1 {m['top1']:.2f}% on {m['dataset']} "
-          f"({m['n_test']} test images, {_templates_words(m)}, {m['train_time_s']:.1f} s) -> {out}")
+          f"({m['n_test']} test images, {_templates_words(m)}, trained in {m['train_time_s']:.1f} s) -> {out}")
     return 0
 
 
@@ -293,6 +335,9 @@ class PredictBackbone:
 class PredictArgs:
     prompts: Optional[str] = field(default=None, metadata={"help": "what `fewclip export` wrote (file or folder)"})
     top_k: int = field(default=5, metadata={"help": "classes shown per image"})
+    out: Optional[str] = field(default=None, metadata={"help": (
+        "write the predictions to this file, CSV (.csv) or JSON (.json), instead of listing them")})
+    batch_size: int = field(default=64, metadata={"help": "images classified at once"})
     backbone: PredictBackbone = field(default_factory=PredictBackbone)
 
 
@@ -304,10 +349,21 @@ def cmd_predict(args: Sequence[str]) -> int:
         raise ConfigError(f"top_k must be >= 1, got {opts.top_k}")
     overrides = {k: v for k in ("name", "pretrained", "precision")
                  if (v := getattr(opts.backbone, k)) is not None}
+    if opts.batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1, got {opts.batch_size}")
+    if opts.out:
+        check_out(opts.out)  # before loading anything
+    images = expand_images(images)  # a folder: the image files under it
     clf = load_prompts(opts.prompts, device=opts.backbone.device, backbone_overrides=overrides)
-    preds = clf.predict(images, top_k=opts.top_k)
+    preds = []
+    batches = range(0, len(images), opts.batch_size)
+    for i in progress(batches, desc="predict", unit="batch", total=len(batches), leave=False):
+        preds.extend(clf.predict(images[i:i + opts.batch_size], top_k=opts.top_k))
     print(f"{type(clf).__name__} {opts.prompts}: {len(clf.classnames)} classes on {clf.backbone.name} "
           f"[{clf.geometry.name}]; probabilities are a softmax over the classes")
+    if opts.out:
+        print(f"{len(images)} image(s) -> {write_predictions(opts.out, images, preds)}")
+        return 0
     for path, top in zip(images, preds):
         print(path)
         for name, prob in top:

@@ -5,6 +5,7 @@ The CLI turns arguments into config objects and calls plain library functions.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import traceback
 from typing import Sequence
@@ -43,6 +44,26 @@ environment:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """``fewclip ARGS``; a reader that leaves early (``fewclip adapters | head -1``) ends it quietly with 0."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at the interpreter's exit, where a closed pipe would be reported
+        return code
+    except BrokenPipeError:
+        return _pipe_closed()
+
+
+def _pipe_closed() -> int:
+    """The output's reader is gone: what is still buffered goes nowhere, and the command ends with 0."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no file descriptor (stdout replaced in a test)
+        pass
+    return 0
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
     debug, argv = take_debug_flag(list(sys.argv[1:] if argv is None else argv))
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(USAGE)
@@ -70,9 +91,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 0
             # a plugin's method or launcher: the full help composes the config with the registries (loads torch)
             return importlib.import_module("fewclip.cli.commands").config_help(command, args)
+        if spec.run_config:  # a typo in the config or a backbone name, answered before torch is imported
+            importlib.import_module("fewclip.cli.early_check").check(command, args)
         setup_logging("info")  # fewclip's lines at INFO until the command's config says otherwise
         # The command's module is imported here (torch and open_clip: seconds), so `fewclip --help` does not pay it.
         return spec.function()(args)
+    except BrokenPipeError:
+        raise  # main() ends the command quietly
     except KeyboardInterrupt:
         print(f"fewclip {command}: interrupted; finished results are kept", file=sys.stderr)
         return 130

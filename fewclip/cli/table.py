@@ -42,9 +42,13 @@ COMMANDS: Tuple[Command, ...] = (
         f"{HEAVY}:cmd_backbones",
         usage=("usage: fewclip backbones [--all] [NAME ...]: the backbones fewclip can load, with their geometry; "
                "NAME: one in detail (weights, geometry, image preprocessing)")),
-    Command("datasets", ("list the registered datasets and where each expects its files",),
-            f"{HEAVY}:cmd_datasets",
-            usage="usage: fewclip datasets: the registered datasets and where each expects its files"),
+    Command("datasets", (
+        "list the registered datasets and where each expects its files; fewclip datasets check",
+        "data=folder data.root=PATH lists the image files that cannot be read"),
+        f"{HEAVY}:cmd_datasets",
+        usage=("usage: fewclip datasets: the registered datasets and where each expects its files | fewclip "
+               "datasets check data=NAME [data.root=PATH]: every image file read once, the unreadable ones listed "
+               "(data.skip_bad_images=true leaves them out)")),
     Command("zeroshot", ("zero-shot evaluation: fewclip zeroshot backbone=toy-clip data=toy-shapes out=runs/zs",),
             f"{HEAVY}:cmd_zeroshot", run_config=True),
     Command("train", (
@@ -91,9 +95,12 @@ COMMANDS: Tuple[Command, ...] = (
         f"{HEAVY}:cmd_export",
         usage=("usage: fewclip export RUN_DIR [-o PATH] [backbone.device=cpu] [OPTION=VALUE ...]: a run in its "
                "method's export format (options by format: `fewclip adapters` lists the methods)")),
-    Command("predict", ("classify images with an export: fewclip predict prompts=prompts.safetensors a.jpg",),
-            f"{HEAVY}:cmd_predict",
-            usage="usage: fewclip predict prompts=FILE IMAGE [IMAGE ...] [top_k=5] [backbone.device=cpu]"),
+    Command("predict", (
+        "classify images with an export: fewclip predict prompts=prompts.safetensors a.jpg",
+        "(a folder: every image under it; out=predictions.csv or .json writes them to a file)"),
+        f"{HEAVY}:cmd_predict",
+        usage=("usage: fewclip predict prompts=FILE IMAGE|FOLDER [...] [top_k=5] [out=FILE.csv|FILE.json] "
+               "[backbone.device=cpu]: a folder stands for the image files under it")),
     Command("features", (
         "a feature file from a dataset and a backbone, for methods on features:",
         "fewclip features backbone=toy-clip data=toy-colours out=colours.safetensors [views=20], then",

@@ -73,8 +73,13 @@ class RunConfig:
         "whole test set's features (fewclip.training.transductive): none, or transclip (metrics.json: top1_transclip).")})
     log: LogConfig = field(default_factory=LogConfig, metadata={"help": (
         "Experiment logging (fewclip.utils.explog): log=tensorboard, log=wandb or log=[tensorboard,wandb]; default none.")})
+    threads: int = field(default=0, metadata={"help": (
+        "CPU threads this run computes with; 0: $OMP_NUM_THREADS when set, else the usable cores divided by the "
+        "processes of a sweep (fewclip.utils.threads). Logged in the run's first line, kept in metrics.json.")})
 
     def __post_init__(self) -> None:
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0: chosen by fewclip), got {self.threads}")
         if self.transductive not in ("none", "transclip"):
             raise ValueError(f"transductive must be none or transclip, got {self.transductive!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):

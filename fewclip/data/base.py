@@ -22,6 +22,8 @@ from PIL import Image
 import numpy as np
 from fewclip.utils.errors import InputError
 from fewclip.utils.registry import Registry
+from fewclip.data.name_files import read_classnames, read_templates
+from fewclip.data.image_check import drop_bad_images
 
 SPLITS = ("train", "val", "test")
 
@@ -62,6 +64,16 @@ class DataConfig:
     prompts: List[str] = field(default_factory=list, metadata={"help": (
         'Your own prompt templates ("{}" stands for the class name), replacing the dataset\'s; `templates` then '
         'picks all of them or the first.')})
+    classnames: Optional[str] = field(default=None, metadata={"help": (
+        'A file of class names replacing the dataset\'s (fewclip.data.name_files): a JSON/YAML/CSV mapping from folder '
+        'name to class name ({"nominal": "a woven textile without defects"}), or a list, one name a line in label '
+        'order, or CLIP_benchmark\'s JSON of lists per dataset.')})
+    prompts_file: Optional[str] = field(default=None, metadata={"help": (
+        'A file of prompt templates replacing the dataset\'s: one a line, or a JSON/YAML list (or CLIP_benchmark\'s'
+        ' JSON of lists per dataset); {} or {c} stands for the class name. Not with data.prompts.')})
+    skip_bad_images: bool = field(default=False, metadata={"help": (
+        'Leave out the image files that cannot be read (fewclip.data.image_check; `fewclip datasets check` lists them); '
+        'the run records their ids in metrics.json (skipped_images). Off: such a file stops a run or a sweep.')})
     allow_fewer_shots: bool = field(default=False, metadata={"help": (
         'A class with fewer than ``shots`` training images is an error unless this is set, in which case that '
         'class uses all the images it has.')})
@@ -81,6 +93,8 @@ class DataConfig:
             raise ValueError(f"data.prompts: each template needs exactly one '{{}}' for the class name; bad: {bad[:3]}")
         if self.sampler not in ("fewclip", "coop"):
             raise ValueError(f"data.sampler must be 'fewclip' or 'coop', got {self.sampler!r}")
+        if self.prompts and self.prompts_file:
+            raise ValueError("data.prompts and data.prompts_file both give the templates: keep one")
         if self.templates not in ("ensemble", "single"):
             raise ValueError(f"data.templates must be 'ensemble' or 'single', got {self.templates!r}")
         if self.batch_size < 1:
@@ -281,4 +295,11 @@ def build_dataset(cfg: DataConfig) -> Dataset:
     dataset.name = dataset_name(cfg)
     if cfg.prompts:
         dataset.templates = list(cfg.prompts)
+    if cfg.prompts_file:
+        dataset.templates = read_templates(cfg.prompts_file, dataset.name)
+    if cfg.classnames:
+        dataset.classnames = check_classnames(read_classnames(cfg.classnames, dataset.classnames, dataset.name),
+                                              f"data.classnames={cfg.classnames}")
+    if cfg.skip_bad_images:
+        drop_bad_images(dataset)
     return dataset

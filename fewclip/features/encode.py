@@ -26,6 +26,7 @@ from fewclip.data.splits import derive_seed
 
 from fewclip.backbones.backbone import Backbone
 from fewclip.utils.errors import os_error_message
+from fewclip.utils.heartbeat import step
 from fewclip.utils.progress import progress
 from fewclip.features.address import address
 from fewclip.data.class_names import class_keys
@@ -180,11 +181,13 @@ def extract_features(
                         num_workers=workers, generator=torch.Generator())
     feats: List[torch.Tensor] = []
     labels: List[torch.Tensor] = []
-    if len(items) >= LOG_ENCODING_FROM:
-        log.info("%s: encoding %d images with %s", desc, len(items), backbone.name)
-    for pixels, y in progress(loader, desc=desc, unit="batch", leave=False):
-        feats.append(encode(pixels).float().cpu())
-        labels.append(y)
+    # Announced from LOG_ENCODING_FROM images; a smaller encoding is named by the heartbeat only if it runs long
+    # (one batch of a large tower on a busy CPU can take a minute).
+    with step(f"{desc}: encoding {len(items)} images with {backbone.name}", announce=len(items) >= LOG_ENCODING_FROM,
+              logger=log):
+        for pixels, y in progress(loader, desc=desc, unit="batch", leave=False):
+            feats.append(encode(pixels).float().cpu())
+            labels.append(y)
     if not feats:
         return Features(torch.empty(0), torch.empty(0, dtype=torch.long))
     return Features(torch.cat(feats), torch.cat(labels))

@@ -37,6 +37,7 @@ import logging
 import math
 import os
 import socket
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,12 +66,14 @@ METRICS_FILE = "metrics.json"
 # overwrite removes all of them (metrics.json first), and nothing else in the folder.
 RUN_FILES = ("metrics.json", "adapter.safetensors", "split.json", "protocol.json", "config.yaml")
 DERIVED_FILES = ("prompts.safetensors", "export")
-IGNORED_CONFIG_KEYS = ("out", "log_level", "overwrite", "data.workers", "backbone.cache_dir", "log")
+FAILED_FILE = "failed.json"  # what a failed attempt leaves instead of its half-written files (cleared by a rerun)
+IGNORED_CONFIG_KEYS = ("out", "log_level", "overwrite", "data.workers", "backbone.cache_dir", "log", "threads")
 # Keys added to the run config after run records existed: left out of the config part while they hold these
 # defaults, so a finished run keeps its identity when a fewclip that knows the key reads it.
 LATER_KEY_DEFAULTS = {"protocol": "fewshot", "targets": [], "data.reader": None, "data.prompts": [],
                       "transductive": "none", "data.fewshot_file": None, "preset": "fewclip", "preset_set": {},
-                      "data.sampler": "fewclip"}
+                      "data.sampler": "fewclip", "data.classnames": None, "data.prompts_file": None,
+                      "data.skip_bad_images": False}
 
 
 class RunDirError(RunError):
@@ -404,7 +407,7 @@ def clear_run(run_dir: str | os.PathLike) -> None:
     if (run_dir / METRICS_FILE).exists():
         os.unlink(run_dir / METRICS_FILE)
         fsync_dir(run_dir)
-    for name in dict.fromkeys([*RUN_FILES[1:], *named, *DERIVED_FILES]):
+    for name in dict.fromkeys([*RUN_FILES[1:], *named, *DERIVED_FILES, FAILED_FILE]):
         p = run_dir / name
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
@@ -412,6 +415,34 @@ def clear_run(run_dir: str | os.PathLike) -> None:
             os.unlink(p)
     remove_leftovers(run_dir)
     fsync_dir(run_dir)
+
+
+def mark_failed(run_dir: str | os.PathLike, error: BaseException, message: str) -> Path:
+    """A failed attempt's folder: its half-written results removed (``config.yaml`` stays: what was tried) and
+    ``failed.json`` written beside it (the first line of the error, its type, when). The next run there clears
+    both."""
+    run_dir = Path(run_dir)
+    for name in (*RUN_FILES[1:], *DERIVED_FILES):
+        p = run_dir / name
+        if name == "config.yaml" or not (p.exists() or p.is_symlink()):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            os.unlink(p)
+    remove_leftovers(run_dir)
+    record = {"status": "failed", "error": message.splitlines()[0] if message else type(error).__name__,
+              "error_type": type(error).__name__, "failed_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    return atomic_write_json(run_dir / FAILED_FILE, record)
+
+
+def read_failure(run_dir: str | os.PathLike) -> Optional[Dict[str, Any]]:
+    """What ``failed.json`` says about the last attempt in ``run_dir``, or None."""
+    try:
+        data = json.loads((Path(run_dir) / FAILED_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def claim_run(run_dir: str | os.PathLike, *, stale_after_s: Optional[float] = None) -> Optional[RunLock]:

@@ -40,7 +40,8 @@ from fewclip.config.compose import (ConfigError, RunConfig, TrainRunFields, comp
                      split_args, to_object, to_yaml, train_base)
 from fewclip.data.class_names import class_keys, plan_identical_prompts, warn_records
 from fewclip.training.cost import RunCost
-from fewclip.data.base import DataConfig, Dataset, build_dataset
+from fewclip.utils.errors import describe
+from fewclip.data.base import DataConfig, Dataset, build_dataset, dataset_name
 from fewclip.training.engine import RunFeatures, TrainConfig, evaluate, fit_adapter
 from fewclip.training.evals import score_plan
 from fewclip.utils.explog import check as check_log, logging_run
@@ -50,7 +51,10 @@ from fewclip.utils.io import atomic_write, atomic_write_text
 from fewclip.config.presets import (check_test_choice, get_preset, in_effect, method_label, preset_name_of,
                       preset_overrides)
 from fewclip.data.protocols import ProtocolPlan, harmonic_mean, make_plan, write_protocol_split
-from fewclip.runs.records import Identity, Run, RunLock, config_dict, data_part, open_run, run_identity, weights_checksum
+from fewclip.runs.records import (Identity, Run, RunLock, config_dict, data_part, mark_failed, open_run, run_identity,
+                      weights_checksum)
+from fewclip.utils.heartbeat import step
+from fewclip.utils.threads import record as thread_record, settle as settle_threads, words as thread_words
 from fewclip.training.transductive import rescore_plan
 from fewclip.data.splits import TEST_SUBSET_SEED, FewShotSplit, check_val_apart, test_items, write_split
 from fewclip.data.split_files import split_from_file
@@ -220,8 +224,18 @@ def run_identity_of(cfg: RunConfig, backbone: Backbone, plan, split=None) -> Ide
 
 
 def _load_backbone(cfg: BackboneConfig) -> Backbone:
-    log.info("loading the backbone %s", cfg.name)
-    return load_backbone(cfg)
+    with step(f"loading the backbone {cfg.name}", logger=log):
+        return load_backbone(cfg)
+
+
+def _skipped_images(plan: ProtocolPlan) -> Dict[str, Any]:
+    """``{"skipped_images": {dataset: [ids]}}`` for the datasets that left out unreadable files, else {}."""
+    seen = {}
+    for d in (plan.source, plan.train, *(e.dataset for e in plan.evals)):
+        ids = getattr(d, "skipped_images", None)
+        if ids:
+            seen[d.name] = list(ids)
+    return {"skipped_images": seen} if seen else {}
 
 
 def run_train(cfg: TrainRunConfig, out: Path, *, backbone: Optional[Backbone] = None, dataset=None,
@@ -235,9 +249,18 @@ def run_train(cfg: TrainRunConfig, out: Path, *, backbone: Optional[Backbone] = 
     is also logged (``fewclip.utils.explog``). Classes with identical prompts are a warning before the run
     (``report_prompts``; a sweep warns once for all its runs and passes False) and ``identical_prompts`` in
     metrics.json."""
+    settle_threads(setting=cfg.threads)  # a sweep's worker has chosen already; a lone run chooses here
+    log.info("run %s: %s", out, thread_words())
+    with step(f"run {out}", announce=False, logger=log):  # the heartbeat covers every phase of the run
+        return _run_train(cfg, out, backbone=backbone, dataset=dataset, plan=plan, cache=cache, method=method,
+                          lock=lock, overwrite=overwrite, report_prompts=report_prompts)
+
+
+def _run_train(cfg: TrainRunConfig, out: Path, *, backbone, dataset, plan, cache, method, lock, overwrite,
+               report_prompts) -> Dict:
     check_log(cfg.log)  # a missing logging library fails before any work
     if plan is None:
-        log.info("reading the dataset %s (%s protocol)", cfg.data.name, cfg.protocol)
+        log.info("reading the dataset %s (%s protocol)", dataset_name(cfg.data), cfg.protocol)
         plan = build_plan(cfg, dataset)
     if backbone is None:
         backbone = backbone_of(plan.source, cfg, _load_backbone)  # a feature file brings its own
@@ -252,9 +275,18 @@ def run_train(cfg: TrainRunConfig, out: Path, *, backbone: Optional[Backbone] = 
         if run.done:
             log.info("%s: already finished with this config; overwrite=true runs it again", out)
             return run.metrics
-        with logging_run(cfg.log, out, config_dict(cfg), to_yaml(cfg)) as xlog:
-            metrics = _train(run, cfg, out, backbone, plan, cache, split, method, same_prompts)
-            xlog.final(metrics)
+        try:
+            with logging_run(cfg.log, out, config_dict(cfg), to_yaml(cfg)) as xlog:
+                metrics = _train(run, cfg, out, backbone, plan, cache, split, method, same_prompts)
+                xlog.final(metrics)
+        except BaseException as e:  # Ctrl-C too: no half-written run is left behind
+            message, _ = describe(e) if isinstance(e, Exception) else ("interrupted", 130)
+            try:
+                where = mark_failed(out, e, message)
+                log.info("%s: the run failed; its results are removed, %s says why", out, where.name)
+            except OSError as marking:  # the run's own error is the one to report
+                log.warning("%s: the failed run could not be marked failed: %s", out, marking)
+            raise
         return metrics
 
 
@@ -323,6 +355,8 @@ def _train(run: Run, cfg: TrainRunConfig, out: Path, backbone: Backbone, plan: P
         "identical_prompts": list(same_prompts),  # classes sharing a prompt (fewclip.data.class_names), per dataset
         **info,
         **cost.record(sum(p.numel() for p in adapter.trainable_parameters())),
+        **thread_record(),
+        **_skipped_images(plan),
         "backbone_info": backbone.describe(),
     })
     run.finish(metrics, files=files, tensors=sd)

@@ -21,7 +21,9 @@ from fewclip.adapter.base import adapter_info
 from fewclip.data.class_names import plan_identical_prompts, warn_records
 from fewclip.config.compose import ConfigError, section_name_of, to_yaml
 from fewclip.config.dataset_entries import sweep_datasets
+from fewclip.data.base import DatasetError
 from fewclip.utils.errors import FewclipError
+from fewclip.data.image_check import SWEEP_CHECK_MAX, describe_bad, find_bad_images, n_images
 from fewclip.utils.explog import check as check_log
 from fewclip.utils.io import atomic_write_text
 from fewclip.runs.launch import LAUNCHERS, check_launcher, launch
@@ -151,7 +153,7 @@ def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, Any
     context = WorkerContext(store_setting(cfg.feature_store))  # also the in-process launcher's
     resources = context.resources
 
-    plans = []
+    plans, protocol_plans = [], {}
     same_prompts: Dict[str, List[str]] = {}  # classes sharing a prompt -> the backbones they do with
     checked = set()  # (backbone, test sets, templates) already checked: once each, not once per run
     for r, c in progress(list(zip(runs, parsed)), desc="sweep: planning", unit="run", leave=False):
@@ -161,6 +163,7 @@ def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, Any
         except FewclipError as e:
             raise _in_run(e, r) from e
         plans.append(_Planned(r, c, identity, run_state(out / r["dir"], identity)))
+        protocol_plans[r["dir"]] = plan
         key = (bb.name, plan.train.name, tuple(e.dataset.name for e in plan.evals), c.data.templates)
         if key in checked:
             continue
@@ -172,6 +175,7 @@ def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, Any
                 seen.append(bb.name)
     for records, backbones in same_prompts.items():  # once for the sweep, before any run; each run records it
         warn_records(json.loads(records), backbone=", ".join(backbones), where="sweep")
+    check_images([protocol_plans[p.run["dir"]] for p in plans if not p.state.finished])
     for p in plans:
         if p.state.finished:  # a lock or temporary file left by a process killed after it finished the run
             tidy(out / p.run["dir"], stale_after_s=cfg.lock_timeout_s)
@@ -202,6 +206,29 @@ def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, Any
                     "shares this out directory), e.g. %s: %s", len(replaced), out, replaced[0].run["dir"],
                     run_state(out / replaced[0].run["dir"], replaced[0].identity).reason)
     return counts
+
+
+def check_images(plans: Sequence[Any]) -> None:
+    """Before the first run: every image file of the datasets the runs to do read, each dataset once; an
+    unreadable one stops the sweep here, listed with the setting that leaves it out (``fewclip.data.image_check``)."""
+    datasets = {}
+    for plan in plans:  # fewclip.data.protocols.ProtocolPlan
+        for d in (plan.source, plan.train, *(e.dataset for e in plan.evals)):
+            if getattr(d, "root", None) is not None and getattr(d, "skipped_images", None) is None:
+                datasets.setdefault(id(d), d)
+    bad_lines = []
+    for d in datasets.values():
+        total = n_images(d)
+        if total > SWEEP_CHECK_MAX:
+            log.info("sweep: %s has %d images, more than are checked up front; `fewclip datasets check` checks them",
+                     d.name, total)
+            continue
+        bad = find_bad_images(d, desc=f"sweep: checking the images of {d.name}")
+        if bad:
+            bad_lines.append(describe_bad(d, bad, total))
+    if bad_lines:
+        raise DatasetError("\n".join(bad_lines) + "\nno run started: data.skip_bad_images=true (in sweep.args) leaves "
+                           "them out of every run, and metrics.json records which; or fix or remove the files")
 
 
 def _spec(p: _Planned, out: Path, cfg: SweepConfig, store: Optional[str]):

@@ -95,6 +95,10 @@ def compile_text_step(adapter, backend: Optional[str] = None) -> None:
     name = adapter.text_step
     eager = getattr(type(adapter), name).__get__(adapter)
     adapter.__dict__[name] = torch.compile(eager, dynamic=False, backend=backend)
+    # The compile itself happens in the next step, which can take a minute on a busy CPU: said here, and the
+    # heartbeat (fewclip.utils.heartbeat) speaks while it lasts.
+    log.info("%s: compiling its text step (torch.compile, backend %s); the next training step waits for it",
+             getattr(adapter, "name", type(adapter).__name__), backend)
 
 
 def uncompile_text_step(adapter) -> None:

@@ -1,26 +1,26 @@
 """Progress of long work, in every mode: a tqdm bar on an interactive terminal, plain throttled log lines
-elsewhere (``nohup``, SLURM and Ray logs), so no long phase is silent.
+elsewhere (``nohup``, SLURM and Ray logs), so no long phase is silent; a slow unit of work (one batch, one
+step) is covered by the heartbeat (``fewclip.utils.heartbeat``), a thread that speaks when the log is silent.
 
 ``progress(iterable, desc=..., total=...)`` is a tqdm object either way. Without a terminal (or with bars
 turned off in a sweep's worker processes, whose launching terminal shows the sweep's bar) it draws no bar
-but logs ``desc: n/total (rate, time left)`` at most every ``LINE_EVERY_S`` seconds, and once at the end of a
+but logs ``desc: n/total (rate, time left)`` when the log has been silent for most of ``LINE_EVERY_S`` seconds, and once at the end of a
 phase that took longer than that. ``quiet_bars()`` turns bars off for this process (a sweep worker).
 """
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 
 from tqdm.auto import tqdm
 from fewclip.utils import env
 
+from fewclip.utils.heartbeat import EVERY_ENV, LINE_EVERY_S, duration as _duration, line_every  # noqa: F401 (also here)
+from fewclip.utils.heartbeat import begin as begin_step, end as end_step, line_due
+
 log = logging.getLogger("fewclip.utils.progress")
 
-# A plain line at least this often during long work without a terminal (FEWCLIP_PROGRESS_EVERY_S overrides).
-LINE_EVERY_S = 10.0
-EVERY_ENV = env.PROGRESS_EVERY_S
 _bars = {"on": True}
 
 
@@ -49,9 +49,8 @@ class _Lines(tqdm):
 
     def update(self, n=1):
         out = super().update(n)
-        now = time.monotonic()
-        if now - self._last_line >= self._every:
-            self._last_line = now
+        if line_due():  # the log's silence, not this bar's alone: one line per interval in all
+            self._last_line = time.monotonic()
             self._line()
         return out
 
@@ -84,26 +83,17 @@ class _Null:
         pass
 
 
-def line_every() -> float:
-    """Seconds between plain progress lines (``LINE_EVERY_S``, or the environment's ``FEWCLIP_PROGRESS_EVERY_S``)."""
-    try:
-        value = float(os.environ.get(EVERY_ENV, LINE_EVERY_S))
-    except ValueError:
-        return LINE_EVERY_S
-    return value if value > 0 else LINE_EVERY_S
-
-
-def _duration(s: float) -> str:
-    s = int(round(s))
-    if s < 60:
-        return f"{s} s"
-    if s < 3600:
-        return f"{s // 60} min {s % 60:02d} s"
-    return f"{s // 3600} h {(s % 3600) // 60:02d} min"
-
-
 def progress(iterable=None, **kwargs) -> tqdm:
-    """A bar on an interactive terminal; plain throttled log lines otherwise (module docstring)."""
-    if bars_shown():
-        return tqdm(iterable, **kwargs)
-    return _Lines(iterable, **kwargs)
+    """A bar on an interactive terminal; plain throttled log lines otherwise (module docstring). Either way the
+    phase is a heartbeat step (``fewclip.utils.heartbeat``): one slow unit of it (a batch, a step) is not silent."""
+    bar = tqdm(iterable, **kwargs) if bars_shown() else _Lines(iterable, **kwargs)
+    beat = begin_step(bar.desc or "working",
+                           where=lambda: f"at {bar.n}{f'/{bar.total}' if bar.total else ''} {bar.unit or 'it'}")
+    close = bar.close
+
+    def closing():
+        end_step(beat, quiet=not bars_shown())  # the plain lines close with their own "done" line
+        close()
+
+    bar.close = closing
+    return bar

@@ -39,6 +39,15 @@ class PluginError(InputError):
     """An entry point that could not be loaded; the message names the package to fix or remove."""
 
 
+class DuplicateNameError(InputError):
+    """A name registered twice; the message names the plugin to change."""
+
+
+def _builtin(module: str) -> bool:
+    """Whether ``module`` is part of fewclip itself (not a plugin)."""
+    return module == "fewclip" or module.startswith("fewclip.")
+
+
 class Registry(Generic[T]):
     """Names -> objects of one kind, filled by ``register`` and by the entry points of ``group``.
 
@@ -62,12 +71,21 @@ class Registry(Generic[T]):
             raise ValueError(f"a {self.kind} name must be a non-empty string, got {name!r}")
         if self.lowercase and name != name.lower():
             raise ValueError(f"{self.kind} names are lowercase, got {name!r}")
+        source = source or getattr(obj, "__module__", None) or type(obj).__module__
         if name in self._items and self._items[name] is not obj:
-            raise ValueError(f"{self.kind} {name!r} is registered twice (first by {self._sources[name]}); "
-                             f"rename one of them")
+            raise DuplicateNameError(self._duplicate(name, self._sources[name], source))
         self._items[name] = obj
-        self._sources[name] = source or getattr(obj, "__module__", None) or type(obj).__module__
+        self._sources[name] = source
         return obj
+
+    def _duplicate(self, name: str, first: str, second: str) -> str:
+        """The message for ``name`` registered by ``first`` and then by ``second``: where one of them is fewclip's
+        own, the other (a plugin) is the one to rename, whichever was imported first."""
+        plugin = [s for s in (first, second) if not _builtin(s)]
+        if len(plugin) == 1:
+            return (f"the {self.kind} name {name!r} is fewclip's own; the plugin module {plugin[0]} registers it "
+                    f"again: rename it in that plugin (or uninstall the package that provides it)")
+        return f"{self.kind} {name!r} is registered twice (first by {first}, then by {second}); rename one of them"
 
     def pop(self, name: str, *default):
         """Remove ``name`` and return its object (tests that register throwaway entries)."""
@@ -80,9 +98,12 @@ class Registry(Generic[T]):
             return
         self._loading = True
         try:
-            for ep in _entry_points(self.group):
+            # fewclip's own entries first, so a plugin claiming one of their names fails in its own import.
+            for ep in sorted(_entry_points(self.group), key=lambda ep: not _builtin(ep.value)):
                 try:
                     obj = ep.load()
+                except DuplicateNameError as e:  # its message already names the plugin at fault
+                    raise PluginError(f"{e} (entry point {ep.name!r} = {ep.value}, group {self.group!r})") from e
                 except Exception as e:  # a broken plugin: name it, do not hide it
                     raise PluginError(
                         f"the {self.kind} plugin {ep.name!r} ({ep.value}, entry point group {self.group!r}) failed "

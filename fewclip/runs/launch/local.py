@@ -25,6 +25,7 @@ from multiprocessing.connection import wait
 
 from fewclip.runs.launch.base import Launcher, register_launcher
 from fewclip.config.sections import LocalConfig
+from fewclip.utils.threads import choose as choose_threads
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +85,11 @@ def _in_process(specs: List[RunSpec], progress: SweepProgress, context: Optional
 # ---------------------------------------------------------------------------
 
 
-def _worker_main(conn, gpu: Optional[str], threads: int, log_level: str) -> None:
+def _worker_main(conn, gpu: Optional[str], threads: int, log_level: str, why: str = "the launcher") -> None:
     """A worker process: runs the specs it receives until it receives None."""
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu
-    worker_setup(threads, log_level)
+    worker_setup(threads, log_level, why)
     try:
         while True:
             spec = conn.recv()
@@ -112,17 +113,17 @@ def _in_workers(n: int, specs: List[RunSpec], progress: SweepProgress, poll_s: f
 
     ctx = mp.get_context("spawn")
     gpus = visible_gpus()
-    threads = max(1, cpu_count() // n)
+    threads, why = choose_threads(workers=n)  # OMP_NUM_THREADS when set, else the cores shared out
     log_level = specs[0].log_level if specs else "info"
     if gpus:
         log.info("sweep: %d workers on %d GPU(s) (%s), %d CPU thread(s) each", n, len(gpus), ",".join(gpus), threads)
     else:
-        log.info("sweep: %d workers on the CPU, %d thread(s) each", n, threads)
+        log.info("sweep: %d workers on the CPU, %d thread(s) each (%s)", n, threads, why)
 
     def start(slot: int) -> _Worker:
         gpu = gpus[slot % len(gpus)] if gpus else None
         here, there = ctx.Pipe()
-        p = ctx.Process(target=_worker_main, args=(there, gpu, threads, log_level), name=f"fewclip-worker-{slot}",
+        p = ctx.Process(target=_worker_main, args=(there, gpu, threads, log_level, why), name=f"fewclip-worker-{slot}",
                         daemon=True)
         p.start()
         there.close()

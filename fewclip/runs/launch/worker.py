@@ -33,7 +33,7 @@ from fewclip.runs.run import load_train_config, run_train
 from fewclip.features.encode import FeatureCache
 from fewclip.runs.run import RunResources
 from fewclip.features.store import FeatureStore
-import torch
+from fewclip.utils.threads import apply as apply_threads
 
 log = logging.getLogger(__name__)
 
@@ -188,14 +188,12 @@ def _run(spec: RunSpec, context: WorkerContext, lock) -> Dict[str, Any]:
                      lock=lock, overwrite=True, report_prompts=False)  # the sweep reported them, once
 
 
-def worker_setup(threads: Optional[int] = None, log_level: str = "info") -> None:
+def worker_setup(threads: Optional[int] = None, log_level: str = "info", why: str = "the launcher") -> None:
     """Settle a worker process: no progress bars of its own (the launching terminal shows the sweep's),
-    ``threads`` intra-op threads, warnings to its stderr."""
+    ``threads`` intra-op threads (``why``: who chose them, for metrics.json), warnings to its stderr."""
     quiet_bars()
     if threads:
-
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+        apply_threads(threads, why)
     if not logging.getLogger().handlers:
         logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S",
                             level=logging.WARNING)
