@@ -6,10 +6,9 @@ import dataclasses
 import importlib
 import logging
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from omegaconf import OmegaConf
 
@@ -70,21 +69,6 @@ def _table(rows: List[Dict[str, str]], cols: Sequence[str]) -> str:
 
 def run_dir(out: str | None, default: str) -> Path:
     return prepare_dir(Path(out or default), "out")
-
-
-@contextmanager
-def new_run_dir(out: str | None, default: str) -> Iterator[Path]:
-    """``run_dir``, removed again if the command fails before anything was written in the folder it created (a
-    failed run leaves its ``failed.json``, and stays)."""
-    path = Path(out or default)
-    fresh = not path.exists()
-    made = run_dir(out, default)
-    try:
-        yield made
-    except BaseException:
-        if fresh and made.is_dir() and not any(made.iterdir()):
-            made.rmdir()
-        raise
 
 
 # ---------------------------------------------------------------------------

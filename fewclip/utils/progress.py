@@ -14,7 +14,6 @@ import sys
 import time
 
 from tqdm.auto import tqdm
-from fewclip.utils import env
 
 from fewclip.utils.heartbeat import EVERY_ENV, LINE_EVERY_S, duration as _duration, line_every  # noqa: F401 (also here)
 from fewclip.utils.heartbeat import begin as begin_step, end as end_step, line_due
