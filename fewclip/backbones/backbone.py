@@ -73,6 +73,7 @@ from fewclip.backbones.tokenizer import TokenizerNotFound, load_hf_tokenizer
 from safetensors.torch import load_file
 from fewclip.backbones.towers import TimmTowerCLIP
 from fewclip.backbones.tokenizer import WordTokenizer
+from fewclip.utils.rng import forked_global_rng
 
 log = logging.getLogger(__name__)
 
@@ -857,11 +858,11 @@ def load_open_clip(cfg: BackboneConfig) -> Backbone:
     weights_sha = None
     size = _open_clip_image_size(model_cfg)
     if pretrained.lower() == "none":
-        with quiet_open_clip():  # open_clip would log "No pretrained weights loaded": fewclip says so itself
+        with quiet_open_clip(), forked_global_rng(cfg.seed):  # open_clip would log "No pretrained weights loaded"
             model = open_clip.create_model(arch, pretrained=None)
-        source = f"open_clip:{arch} (random init)"
+        source = f"open_clip:{arch} (random init, backbone.seed={cfg.seed})"
         preprocess = PreprocessConfig(size=size)
-        log.info("backbone %s: random weights (backbone.pretrained=none)", arch)
+        log.info("backbone %s: random weights (backbone.pretrained=none), backbone.seed=%d", arch, cfg.seed)
     elif Path(pretrained).exists():
         p = Path(pretrained)
         sd = load_weights_file(p)

@@ -8,7 +8,7 @@ import logging
 import time
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from omegaconf import OmegaConf
 
@@ -131,6 +131,11 @@ def cmd_datasets(args: Sequence[str]) -> int:
     return 0
 
 
+def _balanced_words(m: Dict[str, Any]) -> str:
+    """`` (mean per-class 33.33%)``: beside top-1, which an imbalanced test set inflates; empty where not recorded."""
+    return f" (mean per-class {m['mean_per_class']:.2f}%)" if m.get("mean_per_class") is not None else ""
+
+
 def cmd_zeroshot(args: Sequence[str]) -> int:
     cfg: RunConfig = load_config(args, RunConfig)
     setup_logging(cfg.log_level)
@@ -141,7 +146,7 @@ def cmd_zeroshot(args: Sequence[str]) -> int:
         print(f"zero-shot, {_protocol_words(metrics)}: {_evals_line(metrics)} with {metrics['backbone']} "
               f"[{metrics['geometry']}] -> {out / 'metrics.json'}")
         return 0
-    print(f"zero-shot top-1 {metrics['top1']:.2f}% on {metrics['dataset']} ({metrics['n_test']} test images, "
+    print(f"zero-shot top-1 {metrics['top1']:.2f}%{_balanced_words(metrics)} on {metrics['dataset']} ({metrics['n_test']} test images, "
           f"{_templates_words(metrics)}) with {metrics['backbone']} [{metrics['geometry']}] -> {out / 'metrics.json'}")
     return 0
 
@@ -176,8 +181,9 @@ def cmd_train(args: Sequence[str]) -> int:
         print(f"{m['method']} {cfg.shots}-shot{_fewer_words(m)} seed {cfg.seed}, {_protocol_words(m)}: "
               f"{_evals_line(m)}, trained in {m['train_time_s']:.1f} s -> {out}")
         return 0
-    print(f"{m['method']} {cfg.shots}-shot{_fewer_words(m)} seed {cfg.seed}: top-1 {m['top1']:.2f}% on {m['dataset']} "
-          f"({m['n_test']} test images, {_templates_words(m)}, trained in {m['train_time_s']:.1f} s) -> {out}")
+    print(f"{m['method']} {cfg.shots}-shot{_fewer_words(m)} seed {cfg.seed}: top-1 {m['top1']:.2f}%{_balanced_words(m)} "
+          f"on {m['dataset']} ({m['n_test']} test images, {_templates_words(m)}, trained in {m['train_time_s']:.1f} s) "
+          f"-> {out}")
     return 0
 
 

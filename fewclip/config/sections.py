@@ -157,6 +157,9 @@ class BackboneConfig:
     geometry: Optional[str] = field(default=None, metadata={"help": (
         'Geometry override for open_clip architectures (default: clip, or sigmoid when the model has a logit '
         'bias).')})
+    seed: int = field(default=0, metadata={"help": (
+        'Seed of the random initialisation (backbone.pretrained=none): the same seed builds the same weights in '
+        'every process, so a rerun or a sweep on random weights is the same run and reuses stored features.')})
     precision: str = field(default="fp32", metadata={"help": (
         'Weights\' precision: "fp32", "fp16" or "bf16" (the towers stay frozen in it).')})
     device: str = field(default="auto", metadata={"help": '"auto" picks CUDA when available, else the CPU.'})

@@ -335,12 +335,19 @@ def prototypes_of(geometry, raw: torch.Tensor) -> torch.Tensor:
 
 
 def accuracy(logits: torch.Tensor, labels: torch.Tensor, classnames: Sequence[str]) -> dict:
-    """Top-1 in percent, per-class accuracy in percent, and the number of test images."""
+    """Top-1 in percent, per-class accuracy in percent, their mean over the classes with test images (mean
+    per-class accuracy, balanced accuracy: what an imbalanced test set's top-1 hides), the number of test images
+    and the number per class (from which the accuracy of always answering the largest class follows)."""
     pred = logits.argmax(dim=-1).cpu()
     labels = labels.cpu()
     correct = (pred == labels).float()
-    per_class = {}
+    per_class, counts, rates = {}, {}, []
     for c, name in enumerate(class_keys(classnames)):  # a repeated name gets its label: no class is merged
         m = labels == c
-        per_class[name] = round(100.0 * float(correct[m].mean()), 4) if m.any() else None
-    return {"top1": round(100.0 * float(correct.mean()), 4), "per_class": per_class, "n_test": int(labels.numel())}
+        counts[name] = int(m.sum())
+        if m.any():
+            rates.append(float(correct[m].mean()))
+        per_class[name] = round(100.0 * rates[-1], 4) if m.any() else None
+    return {"top1": round(100.0 * float(correct.mean()), 4), "per_class": per_class,
+            "mean_per_class": round(100.0 * sum(rates) / len(rates), 4) if rates else None,
+            "n_test": int(labels.numel()), "n_test_per_class": counts}

@@ -29,11 +29,23 @@ Conventions (also stated in ``report.md``):
   that dataset has no zero-shot run. On an average row it is the mean of the
   per-dataset deltas, given only when every averaged dataset has a zero-shot
   run (otherwise it would compare different sets of datasets).
-* Figures: ``accuracy_vs_shots.png`` shows the first backbone (sorted by
-  name), one panel per dataset plus an "Average" panel when there are two or
-  more datasets (a hollow marker is an average over only some datasets).
-  With several backbones, ``accuracy_vs_shots_<backbone>.png`` is also
-  written for each of them, and ``report.md`` links those.
+* Figures: ``accuracy_vs_shots.png`` shows the backbone, one panel per dataset
+  plus an "Average" panel when there are two or more datasets (a hollow marker
+  is an average over only some datasets), a row of panels for top-1 and one for
+  the mean per-class accuracy, with the majority-class and uniform-chance lines.
+  With several backbones, it shows every backbone side by side (each one's
+  average over datasets), and ``accuracy_vs_shots_<backbone>.png`` is written
+  for each of them, and ``report.md`` links those. A method has the same
+  colour in every figure: its name decides it (``plots.method_colour``).
+* Mean per-class accuracy (balanced accuracy) beside top-1 in every output,
+  and the majority-class and uniform-chance lines (``report.md``'s "Without
+  learning" table): on an imbalanced test set, top-1 alone rewards favouring
+  the largest class.
+* A sweep's folder holds its plan (``sweep_plan.json``, ``fewclip.report.plan``):
+  the report accounts for every planned run (finished, failed with the first
+  line of its error, missing), shows ``n/N`` in a cell where fewer than planned
+  finished, and marks (§) cells holding runs of another config than the plan's.
+  A run whose ``metrics.json`` has no run record is marked (◊).
 * Published results (``fewclip.report.published``): where runs match the setting of a published result
   (``fewclip published``), ``report.md`` gets a "Published results" section and ``published.csv`` is written:
   the runs' mean, the published value and the gap in standard errors of the seeds.
@@ -68,8 +80,9 @@ zero-shot run of the same protocol gives each cell a ``delta_zeroshot``.
 protocols (``fewclip sweep`` puts each under ``OUT/<protocol>/``): each gets
 its tables. The cost table and the figures cover the few-shot runs.
 
-A malformed ``metrics.json`` is skipped with a warning naming it, and so is one whose finished-run
-record (``fewclip.runs.records``) no longer matches its files; of several
+A malformed ``metrics.json`` (deeply nested JSON, numbers no run has) is skipped with a warning naming it,
+and so is one whose finished-run record (``fewclip.runs.records``) no longer matches its files; symlinked run
+folders are followed (each real folder once); of several
 runs with the same (protocol, method, dataset, backbone, shots, seed), the first in
 sorted path order is kept and the others are skipped with a warning.
 """
@@ -88,7 +101,8 @@ from fewclip.config.report import ReportOptions
 from fewclip.report.html import write_html
 from fewclip.report.latex import render_latex
 from fewclip.report.published import Comparison, compare, render_published_csv, render_published_markdown
-from fewclip.report.plots import plot_accuracy_vs_shots, plot_cost_vs_accuracy, save_figure
+from fewclip.report.plan import PlannedRun, account, plan_folders, plan_json, read_plan
+from fewclip.report.plots import plot_accuracy_vs_shots, plot_backbones, plot_cost_vs_accuracy, save_figure
 from fewclip.report.runs import (COST_FIGURE_FILE, FEWSHOT, FIGURE_FILE, METRICS_FILE, NoRunsFoundError, RunResult, SkippedFile,
                    load_runs)
 from fewclip.report.stats import (CellStats, CostStats, ProtocolCell, aggregate, aggregate_protocols, cost_stats, summarize,
@@ -115,6 +129,8 @@ class Report:
     costs: list[CostStats] = field(default_factory=list)
     protocol_cells: list[ProtocolCell] = field(default_factory=list)
     published: list[Comparison] = field(default_factory=list)  # runs beside the published results they match
+    planned: list[PlannedRun] = field(default_factory=list)  # a sweep plan's runs and what became of each
+    colour_names: dict[str, str] = field(default_factory=dict)  # a renamed method -> the name deciding its colour
 
     @property
     def backbones(self) -> list[str]:
@@ -138,7 +154,34 @@ class Report:
 # Entry points
 
 
-def select(runs: list[RunResult], options: ReportOptions) -> list[RunResult]:
+def with_plan(cells: list[CellStats], planned: Sequence[PlannedRun]) -> list[CellStats]:
+    """The few-shot cells with the sweep plan's account of each (planned, failed, missing); a transductive row
+    (``method+name``) is accounted as its method's runs."""
+    if not planned:
+        return cells
+    by_cell: dict[tuple, list[PlannedRun]] = {}
+    for p in planned:
+        if p.protocol == FEWSHOT:
+            by_cell.setdefault((p.backbone, p.dataset, p.method, p.shots), []).append(p)
+    out = []
+    for c in cells:
+        ps = by_cell.get((c.backbone, c.dataset, c.method.split("+", 1)[0], c.shots))
+        if c.is_average or not ps:
+            out.append(c)
+            continue
+        out.append(dataclasses.replace(
+            c, planned=len(ps), missing=sum(p.status == "missing" for p in ps),
+            failed=tuple(f"seed {p.seed}: {p.error}" for p in ps if p.status == "failed")))
+    return out
+
+
+def renamed_method(method: str, rename: dict) -> str:
+    """``method`` as ``rename`` names it (a transductive row ``method+name`` follows its method)."""
+    head, plus, tail = method.partition("+")
+    return rename.get(method) or (rename.get(head, head) + plus + tail)
+
+
+def select(runs: list, options: ReportOptions) -> list:
     """The runs the options keep (methods, backbones, datasets, shots), renamed as they ask."""
     keep = []
     for r in runs:
@@ -153,11 +196,7 @@ def select(runs: list[RunResult], options: ReportOptions) -> list[RunResult]:
             continue
         keep.append(r)
     if options.rename:
-        def renamed(m: str) -> str:
-            head, plus, tail = m.partition("+")
-            return options.rename.get(m) or (options.rename.get(head, head) + plus + tail)
-
-        keep = [dataclasses.replace(r, method=renamed(r.method)) for r in keep]
+        keep = [dataclasses.replace(r, method=renamed_method(r.method, options.rename)) for r in keep]
     return keep
 
 
@@ -167,10 +206,15 @@ def build_report(run_root: str | Path | Sequence[str | Path], options: ReportOpt
     options = options or ReportOptions()
     roots = [Path(run_root)] if isinstance(run_root, (str, Path)) else [Path(r) for r in run_root]
     run_root = roots[0]
-    runs, skipped, seen = [], [], {}
+    runs, skipped, seen, planned = [], [], {}, []
     for root in roots:
         got, bad = load_runs(root)
         skipped += bad
+        for folder in plan_folders(root):  # a sweep's folder: account for every planned run
+            plan = read_plan(folder)
+            if plan is not None:
+                got, accounted = account(folder, got, plan)
+                planned += accounted
         for r in got:
             key = (r.protocol, r.method, r.dataset, r.backbone, r.shots, r.seed)
             if key in seen:
@@ -178,8 +222,11 @@ def build_report(run_root: str | Path | Sequence[str | Path], options: ReportOpt
                 continue
             seen[key] = root
             runs.append(r)
+    # a renamed method keeps the colour of its own name (plots.method_colour), so renaming changes no colour
+    colour_names = {renamed_method(r.method, options.rename): r.method for r in runs} if options.rename else {}
     runs = select(runs, options)
-    if not runs:
+    planned = select(planned, options)
+    if not runs and not planned:  # a sweep whose every run failed still gets its account
         detail = (f"; {len(skipped)} {METRICS_FILE} file(s) were skipped as unusable, see the warnings"
                   if skipped else "")
         raise NoRunsFoundError(
@@ -187,15 +234,16 @@ def build_report(run_root: str | Path | Sequence[str | Path], options: ReportOpt
             f"with method, dataset, backbone, shots, seed and top1{detail}"
         )
     fewshot = [r for r in runs if r.protocol == FEWSHOT]
-    cells = aggregate(fewshot)
+    cells = with_plan(aggregate(fewshot), planned)
     costs = cost_stats(fewshot, cells)
     protocol_cells = aggregate_protocols(runs)
     published = compare(runs, options.rename) if options.published else []
-    markdown = render_markdown(roots if len(roots) > 1 else run_root, runs, cells, skipped, costs, protocol_cells)
+    markdown = render_markdown(roots if len(roots) > 1 else run_root, runs, cells, skipped, costs, protocol_cells,
+                               planned=planned)
     if published:
         markdown += "\n" + render_published_markdown(published)
     return Report(run_root=run_root, runs=runs, cells=cells, skipped=skipped, markdown=markdown, costs=costs,
-                  protocol_cells=protocol_cells, published=published)
+                  protocol_cells=protocol_cells, published=published, planned=planned, colour_names=colour_names)
 
 
 def write_report(run_root: str | Path | Sequence[str | Path], out_dir: str | Path | None = None,
@@ -214,8 +262,9 @@ def write_report(run_root: str | Path | Sequence[str | Path], out_dir: str | Pat
         "md": atomic_write_text(out / "report.md", report.markdown),
         "csv": atomic_write_text(out / "report.csv", render_csv(report.cells, report.protocol_cells)),
         "json": atomic_write_json(out / "report.json",
-                                  to_json(report.run_root, report.runs, report.cells, report.skipped, report.costs,
-                                          report.protocol_cells)),
+                                  {**to_json(report.run_root, report.runs, report.cells, report.skipped, report.costs,
+                                             report.protocol_cells),
+                                   **({"planned_runs": plan_json(report.planned)} if report.planned else {})}),
     }
     if report.published:
         paths["published_csv"] = atomic_write_text(out / "published.csv", render_published_csv(report.published))
@@ -223,9 +272,13 @@ def write_report(run_root: str | Path | Sequence[str | Path], out_dir: str | Pat
         paths["tex"] = atomic_write_text(out / "report.tex", render_latex(report.cells, report.protocol_cells))
     backbones = report.backbones
     names = figure_names(backbones)
+    if len(backbones) > 1:  # the main figure: every backbone side by side; each also has its own
+        for fmt, path in zip(formats, save_figure(plot_backbones(report.cells, report.colour_names), out / FIGURE_FILE,
+                                                  formats)):
+            paths[fmt] = path
     for i, bb in enumerate(backbones):
-        fig = plot_accuracy_vs_shots(report.cells, bb)
-        for fmt, path in zip(formats, save_figure(fig, out / FIGURE_FILE, formats) if i == 0 else []):
+        fig = plot_accuracy_vs_shots(report.cells, bb, report.colour_names)
+        for fmt, path in zip(formats, save_figure(fig, out / FIGURE_FILE, formats) if len(backbones) == 1 else []):
             paths[fmt] = path
         if names[bb] != FIGURE_FILE:
             for fmt, path in zip(formats, save_figure(fig, out / names[bb], formats)):
@@ -233,7 +286,7 @@ def write_report(run_root: str | Path | Sequence[str | Path], out_dir: str | Pat
     cost_backbones = sorted({c.backbone for c in report.costs})
     cost_names = figure_names(cost_backbones, COST_FIGURE_FILE) if cost_backbones else {}
     for i, bb in enumerate(cost_backbones):
-        fig = plot_cost_vs_accuracy(report.costs, bb)
+        fig = plot_cost_vs_accuracy(report.costs, bb, report.colour_names)
         for fmt, path in zip(formats, save_figure(fig, out / COST_FIGURE_FILE, formats) if i == 0 else []):
             paths[f"cost_{fmt}"] = path
         if cost_names[bb] != COST_FIGURE_FILE:

@@ -249,11 +249,34 @@ def _flatten(obj: Any, prefix: str = "") -> dict[str, str]:
     return {prefix: yaml.dump(obj, Dumper=_Dumper, default_flow_style=True, width=10**9).strip()}
 
 
+_MAX_DEPTH = 64  # a run's config.yaml nests a few levels; libyaml's composer overflows the C stack on deep ones
+
+
+def _too_deep(text: str, limit: int) -> bool:
+    """Does ``text``'s YAML nest deeper than ``limit``? From the parser's events, stopping at the first that
+    passes it (libyaml's parser keeps its own stack; its composer recurses in C, so it must never see a document
+    nested thousands deep, flow or block style)."""
+    depth = 0
+    for event in yaml.parse(text, Loader=_Loader):
+        if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+            depth += 1
+            if depth > limit:
+                return True
+        elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+            depth -= 1
+    return False
+
+
 def _read_config(run: RunResult) -> dict[str, str] | None:
     path = run.path.parent / CONFIG_FILE
     try:
-        return _flatten(yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        text = path.read_text(encoding="utf-8")
+        if _too_deep(text, _MAX_DEPTH):  # libyaml's composer would crash the process (a segfault), not raise
+            logger.warning("%s: nested more than %d levels deep, not a run's config; left out of the page", path,
+                           _MAX_DEPTH)
+            return None
+        return _flatten(yaml.load(text, Loader=_Loader))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError):
         return None
 
 

@@ -9,6 +9,7 @@ the mean over seeds; ``with_ci`` adds the 95% interval's half-width as a subscri
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Dict, List, Sequence
 
@@ -60,7 +61,8 @@ def _tabular(columns: str, header: List[str], rows: List[List[str]], caption: st
     return out
 
 
-def fewshot_tables(cells: Sequence[CellStats], with_ci: bool = True) -> List[str]:
+def fewshot_tables(cells: Sequence[CellStats], with_ci: bool = True, metric: str = "top-1 accuracy",
+                   label: str = "fewshot") -> List[str]:
     out: List[str] = []
     for bb in sorted({c.backbone for c in cells}):
         mine = [c for c in cells if c.backbone == bb]
@@ -84,10 +86,33 @@ def fewshot_tables(cells: Sequence[CellStats], with_ci: bool = True) -> List[str
             rows.append(row)
             prev = ds
         header = ["Dataset", "Method", *(f"{s} shot{'s' if s != 1 else ''}" if s else "zero-shot" for s in shots)]
-        caption = (f"Few-shot top-1 accuracy (\\%) with {tex(bb)}: mean over seeds"
+        caption = (f"Few-shot {metric} (\\%) with {tex(bb)}: mean over seeds"
                    + (", subscript: half-width of the t-based 95\\% confidence interval" if with_ci else "")
                    + "; bold: best of the column for the dataset.")
-        out += _tabular("ll" + "r" * len(shots), header, rows, caption, f"tab:fewshot-{_label(bb)}", rules)
+        out += _tabular("ll" + "r" * len(shots), header, rows, caption, f"tab:{label}-{_label(bb)}", rules)
+    return out
+
+
+def balanced_tables(cells: Sequence[CellStats], with_ci: bool = True) -> List[str]:
+    """The few-shot tables of the mean per-class accuracy (balanced accuracy), then per backbone the lines
+    without learning (majority class, uniform chance), where the runs record them."""
+    mine = [dataclasses.replace(c, mean=c.mean_per_class, ci95=c.mean_per_class_ci95) for c in cells
+            if c.mean_per_class is not None]
+    out = fewshot_tables(mine, with_ci, "mean per-class accuracy (balanced accuracy)", "balanced") if mine else []
+    for bb in sorted({c.backbone for c in cells}):
+        rows = []
+        for ds in sorted({c.dataset for c in cells if c.backbone == bb and not c.is_average}):
+            here = [c for c in cells if c.backbone == bb and c.dataset == ds]
+            majority = next((c.majority for c in here if c.majority is not None), None)
+            chance = next((c.chance for c in here if c.chance is not None), None)
+            if majority is not None or chance is not None:
+                rows.append([tex(ds), "--" if majority is None else f"{majority:.1f}",
+                             "--" if chance is None else f"{chance:.1f}"])
+        if rows:
+            out += _tabular("lrr", ["Dataset", "Majority class", "Uniform chance"], rows,
+                            f"Top-1 accuracy (\\%) without learning with {tex(bb)}: always the largest test class, "
+                            f"and uniform guessing (the mean per-class accuracy of both is chance).",
+                            f"tab:without-learning-{_label(bb)}")
     return out
 
 
@@ -134,5 +159,6 @@ def render_latex(cells: Sequence[CellStats], protocol_cells: Sequence[ProtocolCe
     """Every table of the report as LaTeX (needs ``\\usepackage{booktabs}``)."""
     lines = ["% fewclip report tables; \\usepackage{booktabs} in the preamble", ""]
     lines += fewshot_tables(cells)
+    lines += balanced_tables(cells)
     lines += protocol_tables(protocol_cells)
     return "\n".join(lines)

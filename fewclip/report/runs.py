@@ -5,6 +5,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,13 @@ COST_COLUMNS = {
 CSV_COLUMNS = (
     "backbone", "dataset", "method", "shots", "mean", "std", "ci95", "n",
     "delta_zeroshot", "seeds", "datasets", "protocol", "eval",
+    # added later, after the columns above (readers by position keep working)
+    "mean_per_class", "mean_per_class_std", "mean_per_class_ci95", "mean_per_class_n", "majority", "chance",
+    "planned", "failed", "missing", "other_config", "unrecorded",
 )
 FEWSHOT = "fewshot"
 NA = "n/a"
+MAX_INT = 2**31 - 1  # shots and seeds beyond this are not a run's: such a file is skipped
 PROTOCOL_TITLES = {
     "base2new": "Base-to-novel generalisation",
     "cross_dataset": "Cross-dataset transfer",
@@ -72,6 +77,19 @@ class RunResult:
     # The fewest training images a class had where that was fewer than ``shots`` (data.allow_fewer_shots);
     # None: every class had ``shots``.
     fewest_shots: int | None = field(default=None, compare=False)
+    # Mean per-class accuracy (balanced accuracy, %): metrics.json's ``mean_per_class``, else the mean of its
+    # ``per_class``; None where neither is there.
+    mean_per_class: float | None = field(default=None, compare=False)
+    # Accuracy of always answering the test set's largest class, and of guessing uniformly (%), where known.
+    majority: float | None = field(default=None, compare=False)
+    chance: float | None = field(default=None, compare=False)
+    # The run's record: False for a metrics.json without one (an older fewclip, or written by hand), which the
+    # report marks; ``identity`` is the record's identity digest.
+    recorded: bool = field(default=True, compare=False)
+    identity: str | None = field(default=None, compare=False)
+    # Set from the sweep plan (``fewclip.report.plan``): why this finished run is not the run the plan holds
+    # (another config, or not in the plan); empty: it is, or there is no plan.
+    other_config: str = field(default="", compare=False)
 
 
 @dataclass(frozen=True)
@@ -94,18 +112,25 @@ def _require(obj: dict, key: str, kind: str) -> Any:
             raise ValueError(f"{key!r} must be a non-empty string, got {value!r}")
         return value
     if kind == "int":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or value != int(value)):
             raise ValueError(f"{key!r} must be an integer, got {value!r}")
+        if abs(value) > MAX_INT:  # no run has that many shots or such a seed; numpy and plots cannot hold it
+            raise ValueError(f"{key!r} must be an integer of at most {MAX_INT}, got {value:.3g}")
         return int(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValueError(f"{key!r} must be a finite number, got {value!r}")
     return float(value)
 
 
+MAX_COST = 1e15  # no run costs more (seconds, parameters, images, MiB); beyond it a mean over runs overflows
+
+
 def _cost(obj: dict, key: str) -> float | None:
-    """An optional cost number; missing or not a finite non-negative number: None."""
+    """An optional cost number; missing, or not a finite number in [0, MAX_COST]: None."""
     value = obj.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+    if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
+            or value > MAX_COST):
         return None
     return float(value)
 
@@ -145,6 +170,30 @@ def _fewest_shots(obj: dict) -> int | None:
     return fewest if fewest is not None and fewest < obj.get("shots", 0) else None
 
 
+def _percent(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value) if 0.0 <= value <= 100.0 else None
+
+
+def _class_numbers(obj: dict, suffix: str = "") -> dict:
+    """``mean_per_class`` (balanced accuracy), ``majority`` and ``chance`` (%) of a run's metrics, each None where
+    the file does not give what it needs: ``mean_per_class`` is recorded by fewclip since it computes it, else the
+    mean of ``per_class`` over the classes with test images; ``majority`` needs ``n_test_per_class``; ``chance``
+    is 100 / the number of classes."""
+    per_class = obj.get(f"per_class{suffix}")
+    values = [v for v in (per_class.values() if isinstance(per_class, dict) else ()) if _percent(v) is not None]
+    mean = _percent(obj.get(f"mean_per_class{suffix}"))
+    if mean is None and values:
+        mean = sum(values) / len(values)
+    counts = obj.get("n_test_per_class")
+    counts = [v for v in counts.values() if isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_INT] \
+        if isinstance(counts, dict) else []
+    majority = 100.0 * max(counts) / sum(counts) if counts and sum(counts) > 0 else None
+    n_classes = len(per_class) if isinstance(per_class, dict) and per_class else None
+    return {"mean_per_class": mean, "majority": majority, "chance": 100.0 / n_classes if n_classes else None}
+
+
 def _parse_metrics(obj: Any, path: Path) -> RunResult:
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
@@ -171,6 +220,7 @@ def _parse_metrics(obj: Any, path: Path) -> RunResult:
         protocol=protocol,
         evals=evals,
         fewest_shots=_fewest_shots(obj),
+        **_class_numbers(obj),
     )
     if run.dataset == AVERAGE:
         raise ValueError(f"'dataset' may not be {AVERAGE!r} (reserved for the average row)")
@@ -195,10 +245,14 @@ def load_runs(run_root: str | Path) -> tuple[list[RunResult], list[SkippedFile]]
     runs: list[RunResult] = []
     skipped: list[SkippedFile] = []
     seen: dict[tuple, Path] = {}
-    for path in sorted(p for p in run_root.rglob(METRICS_FILE) if p.is_file()):
+    for path in metrics_files(run_root):
         try:
             obj = read_json(path)
             run = _parse_metrics(obj, path)
+        except RecursionError:  # JSON nested deeper than Python's parser goes: no run writes that
+            logger.warning("skipping malformed %s: JSON nested too deeply to read", path)
+            skipped.append(SkippedFile(path, "malformed: JSON nested too deeply to read"))
+            continue
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
             logger.warning("skipping malformed %s: %s", path, e)
             skipped.append(SkippedFile(path, f"malformed: {e}"))
@@ -208,6 +262,9 @@ def load_runs(run_root: str | Path) -> tuple[list[RunResult], list[SkippedFile]]
             logger.warning("skipping %s: %s", path, state.reason)
             skipped.append(SkippedFile(path, f"not a valid finished run: {state.reason}"))
             continue
+        record = obj.get("run_record")
+        run = dataclasses.replace(run, recorded=state.kind != "legacy",
+                                  identity=record.get("identity") if isinstance(record, dict) else None)
         key = (run.protocol, run.method, run.dataset, run.backbone, run.shots, run.seed)
         if key in seen:
             logger.warning("skipping %s: duplicate of %s (protocol, method, dataset, backbone, shots, seed = %s)",
@@ -223,6 +280,23 @@ def load_runs(run_root: str | Path) -> tuple[list[RunResult], list[SkippedFile]]
     return runs, skipped
 
 
+def metrics_files(run_root: Path) -> list[Path]:
+    """Every ``metrics.json`` under ``run_root``, in sorted path order, following symlinked folders (a run folder
+    linked in from elsewhere is a run of this tree) but entering each real folder once, so a link cycle ends."""
+    found: list[Path] = []
+    visited: set[str] = set()
+    for folder, dirs, files in os.walk(run_root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in visited:
+            dirs[:] = []
+            continue
+        visited.add(real)
+        dirs.sort()
+        if METRICS_FILE in files and (Path(folder) / METRICS_FILE).is_file():
+            found.append(Path(folder) / METRICS_FILE)
+    return sorted(found)
+
+
 def _transductive_rows(run: RunResult, obj: dict) -> list[RunResult]:
     """A run scored a second time by a transductive plug-in (metrics.json ``transductive``: its name, and
     ``top1_<name>`` beside ``top1``, per test set too) as a method of its own, ``<method>+<name>``, so that it gets
@@ -232,7 +306,8 @@ def _transductive_rows(run: RunResult, obj: dict) -> list[RunResult]:
         return []
     evals = {k: (v.get(f"top1_{mode}") if isinstance(v, dict) else None) for k, v in (obj.get("evals") or {}).items()}
     return [dataclasses.replace(run, method=f"{run.method}+{mode}", top1=float(obj[f"top1_{mode}"]),
-                                evals=evals if run.protocol != FEWSHOT else {})]
+                                evals=evals if run.protocol != FEWSHOT else {},
+                                mean_per_class=_class_numbers(obj, f"_{mode}")["mean_per_class"])]
 
 
 # ----------------------------------------------------------------------------

@@ -77,10 +77,32 @@ class CellStats:
     complete: bool = True
     # The fewest training images a class had in the cell's runs, where fewer than ``shots``; None otherwise.
     fewest_shots: int | None = None
+    # Mean per-class accuracy (balanced accuracy) over the seeds that record it: mean, std, ci95, how many.
+    # On an average row: the mean over datasets of the per-dataset means (None unless every dataset has one).
+    mean_per_class: float | None = None
+    mean_per_class_std: float | None = None
+    mean_per_class_ci95: float | None = None
+    mean_per_class_n: int = 0
+    # Always answering the test set's largest class, and guessing uniformly (%); None where unknown.
+    majority: float | None = None
+    chance: float | None = None
+    # The sweep plan's account (``fewclip.report.plan``): runs planned for the cell (None: no plan covers it),
+    # failed ("seed S: first line of the error"), missing (neither finished nor failed), and finished runs of
+    # another config than the plan's or outside it.
+    planned: int | None = None
+    failed: tuple[str, ...] = ()
+    missing: int = 0
+    other_config: int = 0
+    # Runs whose metrics.json carries no run record (an older fewclip, or written by hand).
+    unrecorded: int = 0
 
     @property
     def is_average(self) -> bool:
         return self.dataset == AVERAGE
+
+
+def _seed_stats(values: Sequence[float]) -> tuple[float | None, float | None, float | None]:
+    return summarize(values) if values else (None, None, None)
 
 
 @dataclass(frozen=True)
@@ -168,12 +190,22 @@ def aggregate(runs: Iterable[RunResult]) -> list[CellStats]:
         mean, std, ci95 = summarize(values)
         base = zs_mean.get((bb, ds))
         fewer = [r.fewest_shots for r in rs if r.fewest_shots is not None]
+        balanced = [r.mean_per_class for r in rs if r.mean_per_class is not None]
+        b_mean, b_std, b_ci = _seed_stats(balanced)
+        majority = [r.majority for r in rs if r.majority is not None]
+        chance = [r.chance for r in rs if r.chance is not None]
         cells.append(CellStats(
             backbone=bb, dataset=ds, method=method, shots=shots,
             mean=mean, std=std, ci95=ci95, n=len(values),
             delta_zeroshot=None if base is None else mean - base,
             seeds=tuple(r.seed for r in rs), values=tuple(values), datasets=(ds,),
             fewest_shots=min(fewer) if fewer else None,
+            mean_per_class=b_mean, mean_per_class_std=b_std, mean_per_class_ci95=b_ci,
+            mean_per_class_n=len(balanced),
+            majority=statistics.fmean(majority) if majority else None,
+            chance=statistics.fmean(chance) if chance else None,
+            other_config=sum(1 for r in rs if getattr(r, "other_config", "")),
+            unrecorded=sum(1 for r in rs if not r.recorded),
         ))
 
     datasets_of: dict[str, set[str]] = {}
@@ -185,6 +217,7 @@ def aggregate(runs: Iterable[RunResult]) -> list[CellStats]:
         cs = sorted(cs, key=lambda c: c.dataset)
         deltas = [c.delta_zeroshot for c in cs]
         fewer = [c.fewest_shots for c in cs if c.fewest_shots is not None]
+        balanced = [c.mean_per_class for c in cs]
         cells.append(CellStats(
             backbone=bb, dataset=AVERAGE, method=method, shots=shots,
             mean=statistics.fmean(c.mean for c in cs), std=None, ci95=None, n=len(cs),
@@ -192,6 +225,9 @@ def aggregate(runs: Iterable[RunResult]) -> list[CellStats]:
             datasets=tuple(c.dataset for c in cs),
             complete=len(cs) == len(datasets_of[bb]),
             fewest_shots=min(fewer) if fewer else None,
+            mean_per_class=None if None in balanced else statistics.fmean(balanced),
+            mean_per_class_n=0 if None in balanced else len(cs),
+            other_config=sum(c.other_config for c in cs), unrecorded=sum(c.unrecorded for c in cs),
         ))
     return sorted(cells, key=_cell_key)
 

@@ -9,8 +9,8 @@ A run's identity is a digest of three parts (:func:`run_identity`):
   parallel the work is (``IGNORED_CONFIG_KEYS``: ``out``, ``log_level``, ``overwrite``,
   ``data.workers``, ``backbone.cache_dir``, ``log``), nor keys added later while they hold their defaults
   (``LATER_KEY_DEFAULTS``: ``protocol: fewshot``, ``targets: []``, ``data.reader: null``, ``data.prompts: []``,
-  ``data.fewshot_file: null``, ``preset: fewclip``, ``preset_set: {}``, ``data.sampler: fewclip``, so earlier runs
-  keep their identity);
+  ``data.fewshot_file: null``, ``preset: fewclip``, ``preset_set: {}``, ``data.sampler: fewclip``,
+  ``backbone.seed: 0``, so earlier runs keep their identity);
 * ``weights``: the backbone's weights checksum (the sha256 of its weights file, or of its loaded
   state dict where there is no file, e.g. an open_clip pretrained tag or random init);
 * ``data``: the class names, the prompt templates, the few-shot split (train and validation image
@@ -73,7 +73,7 @@ IGNORED_CONFIG_KEYS = ("out", "log_level", "overwrite", "data.workers", "backbon
 LATER_KEY_DEFAULTS = {"protocol": "fewshot", "targets": [], "data.reader": None, "data.prompts": [],
                       "transductive": "none", "data.fewshot_file": None, "preset": "fewclip", "preset_set": {},
                       "data.sampler": "fewclip", "data.classnames": None, "data.prompts_file": None,
-                      "data.skip_bad_images": False}
+                      "data.skip_bad_images": False, "backbone.seed": 0}
 
 
 class RunDirError(RunError):

@@ -325,8 +325,11 @@ def _train(run: Run, cfg: TrainRunConfig, out: Path, backbone: Backbone, plan: P
                          cost=cost, batch_size=cfg.data.batch_size, workers=cfg.data.workers, amp=cfg.train.amp)
     own = evals[plan.evals[0].name]  # the training classes: "all", "base" or "source"
     metrics = {k: own[k] for k in ("top1", "per_class", "n_test")}
+    metrics.update({k: own[k] for k in ("mean_per_class", "n_test_per_class") if own.get(k) is not None})
     if extra:  # the plug-in's accuracy beside the method's own, and what it was
         metrics[f"top1_{cfg.transductive}"] = own[f"top1_{cfg.transductive}"]
+        if own.get(f"mean_per_class_{cfg.transductive}") is not None:
+            metrics[f"mean_per_class_{cfg.transductive}"] = own[f"mean_per_class_{cfg.transductive}"]
         metrics.update(extra)
     if plan.protocol != "fewshot":
         metrics["evals"] = evals

@@ -31,6 +31,7 @@ from fewclip.runs.launch.worker import RunSpec, WorkerContext
 from fewclip.utils.locks import RunLock
 from fewclip.utils.progress import progress
 from fewclip.runs.records import Identity, RunState, prepare_dir, remove_leftovers, run_state, tidy
+from fewclip.report.plan import new_plan, plan_folder, record_failures, write_plan
 from fewclip.config.presets import FEWCLIP, method_label, parse_label, preset_name_of
 from fewclip.runs.run import adapter_name_of, few_shot_split, load_train_config, run_identity_of
 from fewclip.features.store import store_setting
@@ -176,6 +177,12 @@ def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, Any
     for records, backbones in same_prompts.items():  # once for the sweep, before any run; each run records it
         warn_records(json.loads(records), backbone=", ".join(backbones), where="sweep")
     check_images([protocol_plans[p.run["dir"]] for p in plans if not p.state.finished])
+    # What the report accounts for: every planned run and its identity, in the folder of the sweep's protocol
+    # (sweeps of several protocols share an out folder, each under OUT/<protocol>/, and keep their own plans).
+    plan_root = plan_folder(out, cfg.sweep.protocol)
+    plan_file = new_plan([p.run for p in plans], [p.identity.digest for p in plans], cfg.sweep.protocol)
+    with sweep_lock(out, cfg.lock_timeout_s):
+        write_plan(plan_root, plan_file)
     for p in plans:
         if p.state.finished:  # a lock or temporary file left by a process killed after it finished the run
             tidy(out / p.run["dir"], stale_after_s=cfg.lock_timeout_s)
@@ -196,6 +203,8 @@ def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, Any
         return {**counts, "dry_run": True}
     counts.update(outcome.counts)
     counts["failures"] = outcome.failures
+    with sweep_lock(out, cfg.lock_timeout_s):  # the report names each failed run with its error's first line
+        record_failures(plan_root, plan_file, [(str(r.spec.dir), r.error) for r in outcome.failures])
     # A concurrent sweep with other settings may have replaced runs since: say so rather than report them silently.
     failed = {r.spec.dir for r in outcome.failures}
     replaced = [p for p in plans if str(p.run["dir"]) not in failed and not run_state(out / p.run["dir"],

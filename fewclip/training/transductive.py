@@ -262,5 +262,6 @@ def rescore_plan(mode: str, adapter, plan, evals: Dict[str, Dict[str, Any]], *, 
         acc = accuracy(result.probs, labels, e.dataset.classnames)
         entry[f"top1_{mode}"] = acc["top1"]
         entry[f"per_class_{mode}"] = acc["per_class"]
+        entry[f"mean_per_class_{mode}"] = acc["mean_per_class"]
         log.info("%s: %s %.2f%% on top of %s's %.2f%%", e.name, mode, acc["top1"], adapter.name, entry["top1"])
     return {"transductive": mode, "transductive_time_s": round(time.perf_counter() - t0, 3)}

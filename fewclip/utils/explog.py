@@ -56,8 +56,8 @@ log = logging.getLogger(__name__)
 BACKENDS = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb")}
 WANDB_MODES = ("online", "offline", "disabled")
 # metrics.json entries that are not one number per run (or not results): never logged as final scalars
-NOT_FINAL = ("run_record", "per_class", "shots_per_class", "backbone_info", "loss_curve", "loss_terms", "templates",
-             "identical_prompts")
+NOT_FINAL = ("run_record", "per_class", "n_test_per_class", "shots_per_class", "backbone_info", "loss_curve",
+             "loss_terms", "templates", "identical_prompts")
 
 
 class ExpLogError(InputError):
