@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from fewclip.config.early_check import backbone_hint, check_backbone, open_clip_architectures
+from fewclip.cli.early_check import backbone_hint, check_backbone, open_clip_architectures
 from fewclip.utils.errors import InputError
 
 PROBE = ("import sys; from fewclip.cli.main import main; code = main(sys.argv[1:]); "

@@ -261,7 +261,7 @@ def test_a_sweep_report_names_every_run_that_did_not_finish_and_marks_mixed_conf
 
 
 def test_a_sweep_whose_every_run_failed_still_gets_a_report_naming_them(tmp_path):
-    from fewclip.report.plan import new_plan, write_plan
+    from fewclip.runs.plan import new_plan, write_plan
 
     runs = [{"protocol": "fewshot", "backbone": "toy-clip", "dataset": "d", "method": "coop", "shots": 4, "seed": s,
              "dir": f"toy-clip/d/coop/4shot/seed{s}"} for s in (1, 2, 3)]
@@ -290,7 +290,7 @@ def test_a_damaged_plan_is_ignored_with_a_warning(tmp_path, caplog):
 def test_a_cell_holding_a_run_the_plan_did_not_make_is_marked(tmp_path):
     """Fast twin of the sweep test above: runs whose identity is not the plan's (here: no record at all), or in
     folders the plan does not name, are marked in the table and counted apart."""
-    from fewclip.report.plan import new_plan, write_plan
+    from fewclip.runs.plan import new_plan, write_plan
 
     planned = [{"protocol": "fewshot", "backbone": "toy-clip", "dataset": "d", "method": "coop", "shots": 4,
                 "seed": s, "dir": f"toy-clip/d/coop/4shot/seed{s}"} for s in (1, 2)]
@@ -319,7 +319,7 @@ def test_a_run_records_mean_per_class_and_prints_it_beside_top1(tmp_path, capsys
 def test_sweeps_of_several_protocols_in_one_folder_keep_their_own_plans(tmp_path):
     """sweep/base2new.yaml, cross-dataset.yaml and domain-shift.yaml all write to runs/protocols: each plan sits
     with its protocol's runs (OUT/<protocol>/), so none hides another's failures."""
-    from fewclip.report.plan import PLAN_FILE, new_plan, plan_folder, record_failures, write_plan
+    from fewclip.runs.plan import PLAN_FILE, new_plan, plan_folder, record_failures, write_plan
 
     def runs(protocol, method):
         base = "" if protocol == "fewshot" else f"{protocol}/"

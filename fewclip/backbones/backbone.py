@@ -58,7 +58,7 @@ from fewclip.backbones.attention import apply_local_attention
 from fewclip.config.sections import (DEVICE_PATTERN, PRECISIONS, BackboneConfig, LocalAttentionConfig,  # noqa: F401  (re-exported)
                        backbone_config_from_dict)
 from fewclip.backbones.fingerprints import identify
-from fewclip.config.early_check import backbone_hint
+from fewclip.backbones.names import backbone_hint
 from fewclip.backbones.geometry import (GEOMETRIES, GEOMETRY_ALIASES, REQUIRED_GEOMETRY_PARAMS, UNSUPPORTED_GEOMETRIES, Geometry,  # noqa: F401
                        canonical_geometry, geometry_of_open_clip, geometry_params, make_geometry)
 from fewclip.utils.logs import quiet_open_clip

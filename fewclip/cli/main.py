@@ -92,7 +92,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
             # a plugin's method or launcher: the full help composes the config with the registries (loads torch)
             return importlib.import_module("fewclip.cli.commands").config_help(command, args)
         if spec.run_config:  # a typo in the config or a backbone name, answered before torch is imported
-            importlib.import_module("fewclip.config.early_check").check(command, args)
+            importlib.import_module("fewclip.cli.early_check").check(command, args)
         setup_logging("info")  # fewclip's lines at INFO until the command's config says otherwise
         # The command's module is imported here (torch and open_clip: seconds), so `fewclip --help` does not pay it.
         return spec.function()(args)

@@ -31,7 +31,7 @@ from fewclip.runs.launch.worker import RunSpec, WorkerContext
 from fewclip.utils.locks import RunLock
 from fewclip.utils.progress import progress
 from fewclip.runs.records import Identity, RunState, prepare_dir, remove_leftovers, run_state, tidy
-from fewclip.report.plan import new_plan, plan_folder, record_failures, write_plan
+from fewclip.runs.plan import new_plan, plan_folder, record_failures, write_plan
 from fewclip.config.presets import FEWCLIP, method_label, parse_label, preset_name_of
 from fewclip.runs.run import adapter_name_of, few_shot_split, load_train_config, run_identity_of
 from fewclip.features.store import store_setting

@@ -12,10 +12,11 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from fewclip.backbones.names import backbone_hint  # noqa: F401  (re-exported)
 from fewclip.config.compose import ConfigError
 from fewclip.utils.errors import InputError
 
-REFERENCE_DIR = Path(__file__).resolve().parent / "reference"  # fewclip.backbones.backbone.REFERENCE_DIR
+REFERENCE_DIR = Path(__file__).resolve().parents[1] / "reference"  # fewclip.backbones.backbone.REFERENCE_DIR
 
 
 class UnknownBackboneError(InputError):
@@ -35,17 +36,6 @@ def open_clip_architectures() -> List[str]:
 
 def is_card_path(name: str) -> bool:  # fewclip.backbones.backbone.is_card_path
     return name.endswith((".yaml", ".yml")) or Path(name).is_dir()
-
-
-def backbone_hint(name: str, cards: Sequence[str], archs: Sequence[str]) -> str:
-    """"did you mean ...? " for a backbone name that is none of ``cards`` and ``archs``, or ""."""
-    known = list(cards) + list(archs)
-    spelled = name.replace("/", "-")  # OpenAI's ViT-B/32 is open_clip's ViT-B-32
-    if spelled != name and spelled in known:
-        return f"did you mean {spelled!r} (open_clip's spelling of OpenAI's {name})? "
-    by_lower = {k.lower(): k for k in known}
-    close = difflib.get_close_matches(spelled.lower(), list(by_lower), n=3, cutoff=0.75)
-    return f"did you mean {' or '.join(repr(by_lower[c]) for c in close)}? " if close else ""
 
 
 def check_backbone(name: str, key: str = "backbone") -> None:
