@@ -53,7 +53,7 @@ MARKED = {p: b for p in [ROOT / "README.md", *PAGES] if (b := runnable_blocks(p)
 
 
 def test_examples_are_marked():
-    assert sum(len(b) for b in MARKED.values()) >= 4, "the README's and the manual's runnable examples went missing"
+    assert sum(len(b) for b in MARKED.values()) >= 3, "the README's and the manual's runnable examples went missing"
     assert ROOT / "README.md" in MARKED and DOCS / "getting-started.md" in MARKED
 
 
