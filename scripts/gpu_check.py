@@ -8,7 +8,7 @@ Without CUDA it says so in one line and exits 0. On a GPU it runs, in this order
 1. ``pytest -m cuda``: every method's training steps and scoring on the GPU, the feature store, local
    workers with one GPU each, Ray with fractional GPUs (tests/test_cuda.py);
 2. the device's bf16 GEMM throughput (an N x N x N matmul, N = ``gemm_n``), the yardstick of 3;
-3. the targets (README, "GPU"):
+3. the targets (docs/gpu.md):
    * CoOp per epoch, ViT-B-16, 100 classes x 16 shots, bf16: fewclip's fastest path against the reference
      procedure (``scripts/bench_train.py``), target at least 10x;
    * the text step (forward and backward of every class prompt) at 1000 classes for CoOp, CoOp CSC,

@@ -1,6 +1,6 @@
-"""Print README's table of presets: every registered method's presets, field by field, with their sources.
+"""Print the manual's table of presets (docs/concepts/presets.md): every registered method's presets, field by field, with their sources.
 
-    python scripts/presets_table.py      # paste into README's "Presets" section (tests/test_presets.py checks it)
+    python scripts/presets_table.py      # paste into docs/concepts/presets.md (tests/test_presets.py checks it)
 """
 from fewclip.adapter.base import ADAPTERS, adapter_info
 from fewclip.config.presets import markdown_rows

@@ -70,7 +70,7 @@ def test_import_fewclip_stays_light():
 
 @pytest.mark.slow
 def test_the_python_example_runs(tmp_path):
-    """examples/python/first_steps.py, as README shows it (a fast test above covers each call it makes)."""
+    """examples/python/first_steps.py, as the manual shows it (docs/api.md) (a fast test above covers each call it makes)."""
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "python" / "first_steps.py"), str(tmp_path)],
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -471,7 +471,7 @@ def test_third_party_info_lines_stay_out_of_the_terminal(tmp_path, capsys):
 def test_saturated_templates():
     """MERU's zero-shot evaluator: exp_map0(alpha * mean_t(raw_t)); fewclip: exp_map0(mean_t(log_map0(exp_map0(
     alpha * raw_t)))). Equal below the cap of MERU's exp_map0 (sqrt(c) alpha |x| <= asinh(2^15)); beyond it fewclip
-    averages the points the model puts the templates at (README, "Bring your own checkpoint")."""
+    averages the points the model puts the templates at (docs/backbones.md, "Bring your own checkpoint")."""
     from fewclip.backbones.geometry import make_geometry
 
     c, alpha = 0.5, 0.4

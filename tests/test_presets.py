@@ -27,7 +27,7 @@ from fewclip.runs.run import load_train_config, preset_defaults, run_train
 from fewclip.runs.sweep import SweepSpec, plan_sweep
 from helpers.cache_parity import FeatureBackbone, fixture
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PRESETS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "concepts" / "presets.md"
 # Methods with the authors' settings in their parity tests, and where those tests are.
 PARITY_BY_PRESET = {"tip_adapter": "test_cache_parity", "tip_adapter_f": "test_cache_parity", "clap": "test_cache_parity",
                     "lpp": "test_cache_parity", "gda": "test_gda_proker_prolip", "proker": "test_gda_proker_prolip",
@@ -215,12 +215,13 @@ def test_a_plugin_registers_presets_and_bad_ones_fail_early():
         Preset("twice", "x", settings=(Setting("train.lr", 1.0, "s", "r"), Setting("train.lr", 2.0, "s", "r")))
 
 
-def test_readme_table_lists_every_preset_difference():
-    """README's Presets table is ``markdown_rows`` of the registered presets (regenerate it from there)."""
+def test_the_manuals_table_lists_every_preset_difference():
+    """The manual's Presets table (docs/concepts/presets.md) is ``markdown_rows`` of the registered presets
+    (regenerate it with ``python scripts/presets_table.py``)."""
     defaults = {n: preset_defaults(adapter_info(n)) for n in ADAPTERS.names()}
-    readme = README.read_text()
-    missing = [row for row in markdown_rows(ADAPTERS.names(), defaults) if row not in readme]
-    assert not missing, "README's Presets table is out of date; first missing row:\n" + missing[0]
+    page = PRESETS_PAGE.read_text()
+    missing = [row for row in markdown_rows(ADAPTERS.names(), defaults) if row not in page]
+    assert not missing, "docs/concepts/presets.md's table is out of date; first missing row:\n" + missing[0]
 
 
 def test_a_preset_that_does_not_fit_the_config_is_a_config_error():

@@ -80,7 +80,7 @@ def test_train_zeroshot_and_sweeps_share_the_single_template_default_and_name_it
     m = json.loads((tmp_path / "zs" / "metrics.json").read_text())
     assert (m["templates"], m["templates_mode"]) == (["a photo of a {}."], "single")
     # the reference sweep keeps its ensemble column, and every other run of every shipped sweep names its
-    # templates: so the default's change changed no run of a shipped sweep (nor any number README shows)
+    # templates: so the default's change changed no run of a shipped sweep (nor any number the manual shows)
     ref = {r["method"]: load_train_config(r["args"]).data.templates
            for r in plan_sweep(load_sweep_config(["sweep/reference.yaml"]).sweep)}
     assert ref == {"zeroshot": "ensemble", "zeroshot_single": "single", "linear_probe": "ensemble"}

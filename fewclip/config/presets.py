@@ -198,7 +198,7 @@ def describe_presets(adapter: str, defaults: Mapping[str, Any]) -> List[str]:
 
 
 def markdown_rows(adapters: Sequence[str], defaults: Mapping[str, Mapping[str, Any]]) -> List[str]:
-    """README's table: one row per preset setting and per difference a preset cannot express."""
+    """The manual's table (docs/concepts/presets.md): one row per preset setting and per difference a preset cannot express."""
     rows = ["| method | preset | field | fewclip | preset's | source | why |", "|---|---|---|---|---|---|---|"]
     for a in adapters:
         for name, p in presets_of(a).items():
