@@ -49,6 +49,7 @@ from safetensors.torch import load_file
 from fewclip.backbones.backbone import BackboneError, load_state_dict_strict
 from fewclip.features.encode import text_prototypes
 from fewclip.data.base import check_classnames
+from fewclip.utils.tensor_checks import check_digests, check_tensors, tensor_digests
 
 DEFAULT_TEMPLATE = "a photo of a {}."
 
@@ -256,7 +257,8 @@ def write_tower(adapter, path: Union[str, Path], meta: Dict[str, Any], *, merge:
     if merge:
         sd = adapter.merged_state_dict()
         mmeta = {**written, "format": FORMAT, "format_version": FORMAT_VERSION, "merged": True,
-                 "trainable_parameters": int(adapter.trainable_parameter_count())}
+                 "trainable_parameters": int(adapter.trainable_parameter_count()),
+                 "tensors_sha256": tensor_digests(sd)}
         atomic_write(merged_path(path), lambda tmp: save_file(sd, tmp, metadata={METADATA_KEY: json.dumps(mmeta)}))
         log.info("merged into a plain open_clip state dict: %s", merged_path(path))
     return written
@@ -302,6 +304,8 @@ def load_tower(path: Path, meta: Dict[str, Any], backbone):
         sd = load_file(str(path))
     except Exception as e:  # safetensors' own error for a damaged file
         raise ExportError(f"{path} is damaged or not a safetensors file ({e})") from None
+    check_tensors(sd, str(path), ExportError, "; export the run again")
+    check_digests(sd, meta.get("tensors_sha256"), str(path), ExportError, "; export the run again")
     backbone = copy.deepcopy(backbone)
     try:
         load_state_dict_strict(backbone.model, sd, str(path))

@@ -16,7 +16,8 @@ One metadata entry, ``"fewclip"``, holds a JSON object with what every fewclip
 export carries (``format`` = ``"fewclip.prompts"``, ``format_version``,
 ``fewclip_version``, ``backbone``, ``geometry``, ``preprocess``,
 ``tokenizer``, ``classnames``, ``run``: see ``fewclip.adapter.exports``) and
-``prompt`` (``class_token_position``, ``n_ctx``, ``csc``, ``ctx_init``),
+``prompt`` (``class_token_position``, ``n_ctx``, ``csc``, ``ctx_init``), ``tensors_sha256`` (a sha256
+of each tensor, ``fewclip.utils.tensor_checks``: loading refuses changed bytes),
 ``nearest_words`` (CoOp's reading of the context: the ``k`` vocabulary tokens
 nearest to each vector, ``[n_ctx][k]`` for a unified context, ``[C][n_ctx][k]``
 in class order for a class-specific one) and ``nearest_k``.
@@ -68,6 +69,7 @@ from fewclip.adapter.exports import export_metadata
 from safetensors import safe_open
 from fewclip.adapters._text import TextTower
 from fewclip.data.base import check_classnames
+from fewclip.utils.tensor_checks import check_digests, check_tensors, tensor_digests, tensor_problem
 
 FORMAT = "fewclip.prompts"
 FORMAT_VERSION = 1
@@ -105,6 +107,8 @@ def write_prompts(adapter, path: Union[str, Path], meta: Dict[str, Any], *, near
         "nearest_words": words if cfg.csc else words[0],
     }
     tensors = prompt_tensors(adapter)
+    check_tensors(tensors, "the prompts to export", ExportError, "; the run is not exported")
+    meta["tensors_sha256"] = tensor_digests(tensors)
     text = json.dumps(meta, sort_keys=False)
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={METADATA_KEY: text}))
     return meta
@@ -157,7 +161,14 @@ def read_prompts(path: Union[str, Path]) -> Tuple[Dict[str, torch.Tensor], Dict[
         raise ExportError(f"prompt file {path} is not a fewclip prompt file (format {meta.get('format')!r}, "
                           f"expected {FORMAT!r})")
     check_metadata(meta, path, PROMPTS)
-    return _read_tensors(path, meta), meta
+    tensors = _read_tensors(path, meta)
+    _check_digests(path, tensors, meta)
+    return tensors, meta
+
+
+def _check_digests(path: Path, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> None:
+    """The tensors against the checksums written with them (after the checks that say more: shapes, widths)."""
+    check_digests(tensors, meta.get("tensors_sha256"), f"prompt file {path}", ExportError, "; export the run again")
 
 
 def _read_tensors(path: Path, meta: Dict[str, Any]) -> Dict[str, torch.Tensor]:
@@ -192,10 +203,7 @@ def _check_tensors(path: Path, tensors: Dict[str, torch.Tensor], meta: Dict[str,
     if ctx.shape[: ctx.dim() - 1] != ((C, n_ctx) if csc else (n_ctx,)):
         problems.append(f"ctx has shape {tuple(ctx.shape)}, expected {want_ctx} "
                         f"(n_ctx={n_ctx}, {'csc' if csc else 'unified'})")
-    for k in TENSORS:
-        t = tensors[k]
-        if not t.is_floating_point() or not torch.isfinite(t).all():
-            problems.append(f"{k} holds non-finite or non-float values")
+    problems += [p for p in (tensor_problem(tensors[k], k) for k in TENSORS) if p]
     if problems:
         raise ExportError(f"prompt file {path} is damaged: " + "; ".join(problems))
 
@@ -277,6 +285,7 @@ def load(path: Path, meta: Dict[str, Any], backbone) -> PromptClassifier:
     """The loader ``fewclip.load_prompts`` calls for a prompt file (metadata and backbone already checked)."""
     tensors = _read_tensors(path, meta)
     check_widths(tensors, backbone, path)
+    _check_digests(path, tensors, meta)
     return PromptClassifier(backbone, tensors, meta, path)
 
 

@@ -29,8 +29,10 @@ and then classifies zero-shot with the run's templates (``fewclip.json``:
 ``fewclip.json`` holds what every fewclip export carries (``format`` =
 "fewclip.lora", ``format_version``, ``fewclip_version``, ``backbone``,
 ``geometry``, ``preprocess``, ``tokenizer``, ``classnames``, ``run``: see
-``fewclip.adapter.exports``) and ``templates``, ``lora`` (the adapter config) and
-``trainable_parameters``.
+``fewclip.adapter.exports``) and ``templates``, ``lora`` (the adapter config),
+``trainable_parameters`` and ``tensors_sha256`` (per file, a sha256 of each
+tensor, ``fewclip.utils.tensor_checks``; merged.safetensors carries its own):
+loading refuses a tensor whose bytes changed since the export.
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ import copy
 from safetensors.torch import load_file
 from fewclip.backbones.backbone import BackboneError, load_state_dict_strict
 from fewclip.adapters._towers import MergedClassifier
+from fewclip.utils.tensor_checks import check_digests, check_tensors, tensor_digests
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +85,19 @@ def export_lora(adapter, out: Union[str, Path], meta: Dict[str, Any], *, merge: 
             if not src.is_file():
                 raise ExportError(f"peft did not write {name}")
             src.replace(out / name)
+    try:
+        peft_sd = load_file(str(out / PEFT_WEIGHTS))
+    except Exception as e:  # safetensors' own error: what peft just wrote does not read back
+        raise ExportError(f"{out / PEFT_WEIGHTS} written by peft does not read back ({e})") from None
+    check_tensors(peft_sd, f"the LoRA weights to export ({out / PEFT_WEIGHTS})", ExportError,
+                  "; the run is not exported")
+    digests = {PEFT_WEIGHTS: tensor_digests(peft_sd)}
     if merge:
         sd = adapter.merged_state_dict()
-        atomic_write(out / MERGED_FILE, lambda tmp: save_file(sd, tmp, metadata={METADATA_KEY: json.dumps(meta)}))
+        digests[MERGED_FILE] = tensor_digests(sd)
+        text = json.dumps({**meta, "tensors_sha256": digests[MERGED_FILE]})
+        atomic_write(out / MERGED_FILE, lambda tmp: save_file(sd, tmp, metadata={METADATA_KEY: text}))
+    meta = {**meta, "tensors_sha256": digests}
     atomic_write_text(out / META_FILE, json.dumps(meta, indent=2))
     return meta
 
@@ -148,6 +161,10 @@ def load_lora_export(path: Path, meta: Dict[str, Any], backbone) -> LoRAClassifi
             sd = load_file(str(weights))
         except Exception as e:  # safetensors' own error for a damaged file
             raise ExportError(f"{weights} is damaged or not a safetensors file ({e})") from None
+        expected = meta.get("tensors_sha256")
+        check_tensors(sd, str(weights), ExportError, "; export the run again")
+        check_digests(sd, expected.get(PEFT_WEIGHTS) if isinstance(expected, dict) else expected, str(weights),
+                      ExportError, "; export the run again")
         try:
             adapter.load_peft_state_dict(sd)
         except (ValueError, RuntimeError, KeyError) as e:
@@ -159,6 +176,8 @@ def load_lora_export(path: Path, meta: Dict[str, Any], backbone) -> LoRAClassifi
             merged = load_file(str(path))
         except Exception as e:
             raise ExportError(f"{path} is damaged or not a safetensors file ({e})") from None
+        check_tensors(merged, str(path), ExportError, "; export the run again")
+        check_digests(merged, meta.get("tensors_sha256"), str(path), ExportError, "; export the run again")
     try:
         load_state_dict_strict(backbone.model, merged, str(path))
     except BackboneError as e:

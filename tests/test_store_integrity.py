@@ -117,14 +117,25 @@ def test_an_edit_that_keeps_size_and_time_is_caught_by_verify_hash(renders, tmp_
     assert checked["images_from_store"] == 0 and checked["top1"] == off["top1"] != first["top1"]
 
 
-@pytest.mark.parametrize("where", ["data", "header", "truncated"])
+@pytest.mark.parametrize("where", ["data", "header", "truncated", "nan-checksummed"])
 def test_a_damaged_entry_is_reported_dropped_and_encoded_again(where, renders, tmp_path, capsys, feature_store):
     root = write_folder(tmp_path / "pets", renders)
     first = zeroshot(root, tmp_path / "a")
     shard = next(feature_store.rglob("*.safetensors"))
     raw = bytearray(shard.read_bytes())
     header = int.from_bytes(raw[:8], "little")
-    if where == "data":
+    if where == "nan-checksummed":  # NaN features under a checksum that matches them (a NaN encoder, a forger)
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        from fewclip.features.store import entry_checksum
+
+        with safe_open(str(shard), "pt") as f:
+            meta, x = f.metadata(), f.get_tensor("x")
+        x[0, 0] = float("nan")
+        save_file({"x": x}, str(shard), metadata={**meta, "checksum": entry_checksum(x, meta["ids"], meta["source"])})
+        raw = bytearray(shard.read_bytes())
+    elif where == "data":
         raw[8 + header + 13] ^= 0x01  # one bit of one feature
     elif where == "header":
         at = raw.index(b'"ids"', 8) + 10

@@ -303,7 +303,13 @@ class Classifier:
 
     def probabilities(self, images: ImageInput) -> torch.Tensor:
         """Softmax over the classes [B, C], for every geometry (see the module docstring)."""
-        return self.logits(images).softmax(-1)
+        logits = self.logits(images)
+        bad = ~torch.isfinite(logits).all(dim=-1)
+        if bool(bad.any()):  # never a nan probability: the export (or what it was loaded with) is broken
+            raise ExportError(f"export {self.path}: NaN or infinite logits for {int(bad.sum())} of {len(logits)} "
+                              f"image(s); the export is damaged or was made from a diverged run: export a finished "
+                              f"run again")
+        return logits.softmax(-1)
 
     def predict(self, images: ImageInput, top_k: int = 5) -> List[List[Tuple[str, float]]]:
         """The ``top_k`` (class name, probability) pairs of each image, most probable first."""

@@ -9,7 +9,8 @@ An adapter opts in with ``register_adapter(NAME, Config, Adapter, export=STATE)`
 * metadata ``"fewclip"`` (JSON): what every fewclip export carries (``format`` = ``"fewclip.adapter"``,
   ``format_version``, ``fewclip_version``, ``backbone`` with its checksum and config section, ``geometry``,
   ``preprocess``, ``tokenizer``, ``classnames``, ``run``: see ``fewclip.adapter.exports``), and ``adapter`` (``name``
-  and ``config``, the adapter's config section) and ``templates``.
+  and ``config``, the adapter's config section), ``templates`` and ``tensors_sha256`` (a sha256 of each
+  tensor, ``fewclip.utils.tensor_checks``: loading refuses a tensor whose bytes changed since the export).
 
 ``fewclip predict`` / ``fewclip.load_prompts`` load it as an ``AdapterClassifier``: the adapter is rebuilt
 with ``build_adapter`` from its registered config class, the backbone, the class names and the templates
@@ -38,9 +39,11 @@ from omegaconf.errors import OmegaConfBaseException
 from safetensors.torch import load_file
 from fewclip.adapter.base import adapter_info, build_adapter
 from fewclip.data.base import check_classnames
+from fewclip.utils.tensor_checks import check_digests, check_state_tensors, check_tensors, tensor_digests
 
 FORMAT = "fewclip.adapter"
 FORMAT_VERSION = 1
+DAMAGED = "; export the run again"
 
 
 def write_state(adapter, path: Union[str, Path], meta: Dict[str, Any]) -> Dict[str, Any]:
@@ -50,9 +53,10 @@ def write_state(adapter, path: Union[str, Path], meta: Dict[str, Any]) -> Dict[s
     if path.suffix != ".safetensors":
         raise ExportError(f"-o {path}: a {FORMAT} export is one .safetensors file; give a path ending in "
                           f".safetensors")
-    meta = {**meta, "adapter": {"name": adapter.name, "config": asdict(adapter.cfg)},
-            "templates": list(adapter.templates)}
     tensors = {k: v.contiguous() for k, v in adapter.adapter_state_dict().items()}
+    check_tensors(tensors, f"the {adapter.name} adapter to export", ExportError, "; the run is not exported")
+    meta = {**meta, "adapter": {"name": adapter.name, "config": asdict(adapter.cfg)},
+            "templates": list(adapter.templates), "tensors_sha256": tensor_digests(tensors)}
     text = json.dumps(meta)
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={METADATA_KEY: text}))
     return meta
@@ -134,11 +138,14 @@ def load_state(path: Path, meta: Dict[str, Any], backbone) -> AdapterClassifier:
         tensors = load_file(str(path))
     except Exception as e:  # safetensors' own error for a damaged file
         raise ExportError(f"{path} is damaged or not a safetensors file ({e})") from None
+    check_tensors(tensors, str(path), ExportError, DAMAGED)  # NaN named as such, before the checksums
     adapter = build_adapter(cfg, backbone, meta["classnames"], meta["templates"])
+    check_state_tensors(tensors, adapter.adapter_state_dict(), str(path), ExportError, DAMAGED)
     try:
         adapter.load_adapter_state_dict(tensors)  # copied into the adapter's tensors on its device
     except RuntimeError as e:
         raise ExportError(f"{path}: its tensors do not fit a {ad['name']} adapter: {e}") from None
+    check_digests(tensors, meta.get("tensors_sha256"), str(path), ExportError, DAMAGED)
     return AdapterClassifier(backbone, meta, adapter, path)
 
 

@@ -45,6 +45,8 @@ import math
 import pickle
 import re
 import warnings
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -130,6 +132,7 @@ def read_checkpoint(path: str | Path) -> Any:
             return read_torchscript_state_dict(path)
         except TorchScriptError as e:
             raise BackboneError(f"cannot read TorchScript archive {path}: {e}. {_conversion_hint(path)}") from None
+    _check_zip_crc(path)
     try:
         with warnings.catch_warnings():  # torch warns about pickle protocols; the refusal below says what matters
             warnings.simplefilter("ignore")
@@ -149,6 +152,21 @@ def read_checkpoint(path: str | Path) -> Any:
         raise BackboneError(
             f"cannot read weights file {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
             f"fewclip reads .safetensors, torch files that hold only tensors, and TorchScript archives") from None
+
+
+def _check_zip_crc(path: Path) -> None:
+    """A torch zip checkpoint's records against their own CRC-32 (torch's reader does not compare them, so
+    bytes changed inside a tensor would load as weights); the TorchScript reader gets this from ``zipfile``."""
+    if not zipfile.is_zipfile(path):
+        return  # torch's legacy (non-zip) format: no checksums to compare
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, zlib.error) as e:  # a truncated or mangled archive
+        raise BackboneError(f"weights file {path} is a damaged zip archive ({e}); download or copy it again") from None
+    if bad is not None:
+        raise BackboneError(f"weights file {path} is damaged: its record {bad!r} does not match the CRC-32 stored "
+                            f"with it; download or copy it again")
 
 
 def _conversion_hint(path: Path, global_name: Optional[str] = None) -> str:

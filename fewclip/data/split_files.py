@@ -22,6 +22,10 @@ five formats and writes four:
   builds Dassl's ``Datum`` records and plain containers only and refuses
   anything else unrun (``fewclip.data.coop_pickle``).
 
+A file's class names (zhou, 2sfs, fewclip) must be the dataset's names of
+the same images' labels (case and underscores aside, and CoOp's renames of
+raw names such as Caltech's ``Faces``); its label numbers may differ.
+
 A file's paths are matched to a dataset's image ids exactly, or by their
 longest trailing part that names one image (``$DATA/oxford_pets/images/a.jpg``,
 ``oxford_pets/images/a.jpg`` and ``images/a.jpg`` all find the id
@@ -419,6 +423,41 @@ def _check_labels(sf: SplitFile, pairs: Sequence[Tuple[Entry, Item]], dataset: D
                              f"file was written for another dataset")
 
 
+def _name_key(name: str) -> str:
+    """A class name as compared with a file's: case, underscores and runs of spaces aside."""
+    return " ".join(name.replace("_", " ").split()).casefold()
+
+
+def _renamed(name: str) -> Optional[str]:
+    """The name a CoOp benchmark gives a raw class name of its split files (Caltech's ``Faces`` is ``face``,
+    EuroSAT's ``AnnualCrop`` ``Annual Crop Land``), or None. Imported here only: this module stays torch-free
+    until a name differs."""
+    from fewclip.datasets.benchmarks import BENCHMARKS
+
+    for b in BENCHMARKS.values():
+        if name in b.rename:
+            return b.rename[name]
+    return None
+
+
+def _check_names(sf: SplitFile, pairs: Sequence[Tuple[Entry, Item]], dataset: Dataset) -> None:
+    """Each image's class name in the file (where the format has one) against the dataset's name of its label,
+    label by label: the file's label numbers may differ, its names may not (wrong names, one name for every
+    class, or another dataset's split whose image ids happen to be this one's)."""
+    for e, it in pairs:
+        if e.classname is None:
+            continue
+        want = dataset.classnames[it.label]
+        if _name_key(e.classname) == _name_key(want):
+            continue
+        alias = _renamed(e.classname)
+        if alias is not None and _name_key(alias) == _name_key(want):
+            continue
+        raise SplitFileError(f"{sf.path}: image {e.path!r} is class {e.classname!r} in the file but "
+                             f"{want!r} (label {it.label}) in dataset {dataset.name!r}; the file was written for "
+                             f"another dataset or class list: use the split file of {dataset.name!r}")
+
+
 def resolve(sf: SplitFile, dataset: Dataset, *, seed: Optional[int] = None, shots: Optional[int] = None,
             allow_fewer: bool = False) -> FewShotSplit:
     """The file's split as fewclip's ``FewShotSplit`` of ``dataset``: each path matched to an image of the
@@ -463,6 +502,7 @@ def resolve(sf: SplitFile, dataset: Dataset, *, seed: Optional[int] = None, shot
         raise SplitFileError(f"{sf.path} lists {len(twice)} image(s) twice: {_listing(twice, False)}; a few-shot split "
                              f"holds each image once")
     _check_labels(sf, pairs, dataset)
+    _check_names(sf, pairs, dataset)
 
     def ordered(rows: List[Tuple[int, int, Item]]) -> List[Item]:  # as make_few_shot_split: by class, then index
         return [it for _, _, it in sorted(rows, key=lambda r: (r[2].label, r[0], r[1]))]

@@ -23,8 +23,9 @@ and, under the safetensors metadata key ``"fewclip"``, a JSON object: ``format``
 ``format_version`` (1), ``classnames`` (C names), ``templates`` (T strings with one ``{}``; default ``["{}"]``),
 ``geometry`` (``{"name": ..., "params": {...}}``, fewclip.backbones.geometry's names and constructor keywords; default the
 named backbone's), and optionally ``dataset`` (a name for reports; default the file's stem), ``backbone`` (the
-backbone config section that made the features, used to build ``text`` when the file has none) and ``source``
-(anything: where the features came from).
+backbone config section that made the features, used to build ``text`` when the file has none), ``source``
+(anything: where the features came from) and ``tensors_sha256`` (what ``write_feature_file`` adds: a sha256 of
+each tensor, ``fewclip.utils.tensor_checks``; a file that has it is refused where a tensor's bytes changed).
 
 Raw features are what the geometry embeds (``geometry.embed_image``): for the clip and sigmoid geometries any
 vectors along the features' directions (unit vectors do), for the others the tower's output itself. ``fewclip
@@ -46,6 +47,7 @@ from torch import Tensor
 from fewclip.backbones.feature_backbone import FeatureBackbone
 from fewclip.backbones.geometry import make_geometry
 from fewclip.utils.io import atomic_write
+from fewclip.utils.tensor_checks import INT, check_digests, check_tensor, tensor_digests
 
 from fewclip.backbones.backbone import backbone_config_from_dict, load_backbone
 from fewclip.data.base import SPLITS, DataConfig, Dataset, DatasetError, Item, build_dataset, check_classnames
@@ -97,6 +99,7 @@ def write_feature_file(path, *, train, test, classnames: Sequence[str], text: Op
     header = {"format": FORMAT, "format_version": FORMAT_VERSION, "classnames": list(classnames),
               "templates": list(templates), "geometry": geometry, **meta}
     _checked(tensors, header, str(path))  # what is written reads back
+    header["tensors_sha256"] = tensor_digests(tensors)
     path = Path(path)
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={META_KEY: json.dumps(header)}))
     return path
@@ -121,7 +124,10 @@ def read_feature_file(path) -> FeatureFile:
         header = json.loads(raw_meta)
     except json.JSONDecodeError as e:
         raise DatasetError(f"{path}: its {META_KEY!r} metadata is not JSON ({e})") from None
-    return _checked(tensors, header, str(path))
+    ff = _checked(tensors, header, str(path))
+    check_digests(tensors, header.get("tensors_sha256"), str(path), DatasetError,
+                  "; write the file again (`fewclip features`)")
+    return ff
 
 
 def _checked(tensors: Dict[str, Tensor], header: Dict[str, Any], where: str) -> FeatureFile:
@@ -145,9 +151,10 @@ def _checked(tensors: Dict[str, Tensor], header: Dict[str, Any], where: str) -> 
         if x.dim() != 2 or y.shape != (x.shape[0],):
             raise DatasetError(f"{where}: {split}.x must be [N, D] and {split}.y [N], got {tuple(x.shape)} and "
                                f"{tuple(y.shape)}")
-        if not x.is_floating_point() or not torch.isfinite(x).all():
-            raise DatasetError(f"{where}: {split}.x must hold finite floating-point features")
-        if y.is_floating_point() or (y.numel() and (int(y.min()) < 0 or int(y.max()) >= len(classnames))):
+        check_tensor(x, f"{split}.x", where, DatasetError, " (it must hold finite floating-point features)")
+        check_tensor(y, f"{split}.y", where, DatasetError, f" (it must hold integer labels in [0, {len(classnames)}))",
+                     kind=INT)
+        if y.numel() and (int(y.min()) < 0 or int(y.max()) >= len(classnames)):
             raise DatasetError(f"{where}: {split}.y must hold integer labels in [0, {len(classnames)})")
         if dim is not None and x.shape[1] != dim:
             raise DatasetError(f"{where}: {split}.x has width {x.shape[1]}, other splits {dim}")
@@ -158,15 +165,15 @@ def _checked(tensors: Dict[str, Tensor], header: Dict[str, Any], where: str) -> 
             raise DatasetError(f"{where}: no {need}.x / {need}.y; a feature file needs a training pool and a test "
                                f"set")
     views = tensors.get("train.views")
-    if views is not None and (views.dim() != 3 or views.shape[1:] != splits["train"][0].shape):
-        raise DatasetError(f"{where}: train.views must be [V, {len(splits['train'][1])}, {dim}], got "
-                           f"{tuple(views.shape)}")
+    if views is not None:
+        check_tensor(views, "train.views", where, DatasetError, " (V augmented views of the training features: "
+                     "finite floating-point values)", shape=("V", len(splits["train"][1]), dim))
     text = tensors.get("text")
     if text is not None:
-        text = text[:, None, :] if text.dim() == 2 else text
-        if text.dim() != 3 or text.shape != (len(classnames), len(templates), dim):
-            raise DatasetError(f"{where}: text must be [{len(classnames)}, {len(templates)}, {dim}] (classes, "
-                               f"templates, width), got {tuple(tensors['text'].shape)}")
+        text = text[:, None, :] if isinstance(text, Tensor) and text.dim() == 2 else text
+        check_tensor(text, "text", where, DatasetError, " (the class text features: finite floating-point values, "
+                     "[classes, templates, width]; [classes, width] for one template)",
+                     shape=(len(classnames), len(templates), dim))
     elif not header.get("backbone"):
         raise DatasetError(f"{where}: no text features: add a 'text' tensor [C, T, D], or name the backbone that "
                            f"made the features in the metadata ('backbone': {{'name': ...}}) to build them")

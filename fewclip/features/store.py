@@ -68,6 +68,7 @@ from fewclip.utils.locks import RunLock
 from fewclip.data.image_fingerprint import changed, fingerprint, verify_mode
 from fewclip.features.address import FORMAT, VERSION, VIEW_CODE_VERSION, address, describe_transform  # noqa: F401
 from fewclip.utils import env
+from fewclip.utils.tensor_checks import tensor_problem
 
 log = logging.getLogger(__name__)
 
@@ -163,8 +164,11 @@ class StoreGroup:
             return self._drop(path, f"{type(e).__name__}: {str(e)[:80]}")
         if not ok:
             return self._drop(path, "its checksum does not match its contents")
-        if json.loads(meta.get("ids", "[]")) != list(ids) or x.shape[0] != len(ids):
+        if json.loads(meta.get("ids", "[]")) != list(ids) or x.dim() != 2 or x.shape[0] != len(ids):
             return self._drop(path, "it does not hold the images its name says")
+        problem = tensor_problem(x, "its features")  # float and finite, whatever its checksum says
+        if problem:
+            return self._drop(path, problem)
         if dataset is not None:
             bad, stale = changed(dataset, items, source, verify)
             if bad:

@@ -22,6 +22,7 @@ from fewclip.features.feature_file import export_backbone
 from fewclip.runs.records import run_state
 from fewclip.runs.run import load_train_config
 from fewclip.utils.io import read_json
+from fewclip.utils.tensor_checks import check_state_tensors
 
 
 @dataclass
@@ -110,6 +111,7 @@ def export_run(run_dir: Union[str, Path], out: Union[str, Path, None] = None, *,
                           f"{backbone.name!r} now loads {backbone.weights_sha256[:16]}...; what it learned fits the "
                           f"old weights only")
     adapter = build_adapter(cfg.adapter, backbone, split.classnames, templates)
+    check_state_tensors(sd, adapter.adapter_state_dict(), str(weights), ExportError, "; run it again")
     try:
         adapter.load_adapter_state_dict(sd)
     except RuntimeError as e:

@@ -120,6 +120,11 @@ def evaluate(adapter, feats: torch.Tensor, labels: torch.Tensor, classnames, bat
         for i in range(0, len(feats), batch_size):
             outs.append(adapter(feats[i : i + batch_size].to(device)).float().cpu())
     logits = torch.cat(outs) if outs else torch.empty(0, len(classnames))
+    bad = ~torch.isfinite(logits).all(dim=-1)
+    if bool(bad.any()):  # argmax of NaN logits is a label like any other: a chance-level number, not an error
+        raise NonFiniteError(f"{getattr(adapter, 'name', type(adapter).__name__)} gives NaN or infinite logits for "
+                             f"{int(bad.sum())} of {len(logits)} images; the run is not recorded as finished (a "
+                             f"diverged training: lower train.lr, or check the data)")
     return accuracy(logits, labels, classnames)
 
 
@@ -407,6 +412,11 @@ def train_loop(adapter, source: FeatureSource, cfg: TrainConfig, shots: int, gen
                             **({"val_top1": f"{entry['val_top1']:.1f}"} if "val_top1" in entry else {}))
     bar.close()
     adapter.eval()
+    # The last step's update comes after the last loss: a step that diverged there shows only in the parameters.
+    bad = [i for i, p in enumerate(params) if not bool(torch.isfinite(p.detach()).all())]
+    if bad:
+        raise NonFiniteError(f"{adapter.name}'s parameters became NaN or infinite at step {step} (the last); the run "
+                             f"is stopped and not recorded. Lower train.lr (now {cfg.lr}) or check the data")
     info = {"epochs": epochs, "steps": step, "final_loss": history[-1]["loss"] if history else None,
             "loss_curve": [round(h["loss"], 5) for h in history]}
     if tuner.record() is not None:
