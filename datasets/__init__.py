@@ -9,6 +9,7 @@ from fewclip.data.base import (DATASETS, DataConfig, Dataset, DatasetError, Item
 from fewclip.data.splits import FewShotSplit, make_few_shot_split, read_split, sample_few_shot, subsample_test, write_split
 
 from fewclip.datasets import benchmarks, feature_file, folder, toytasks  # noqa: F401  (registration; feature_file: data=features)
+from fewclip.datasets import world2tasks  # noqa: F401  (registration: world 2's w2-* tasks)
 
 __all__ = [
     "DATASETS", "DataConfig", "Dataset", "DatasetError", "Item", "build_dataset", "check_classnames", "dataset_name",

@@ -1,0 +1,92 @@
+"""The literature check's statistics (issue 31): Spearman's rho, the reproduction rule, the aggregation of sweep
+runs, and the findings computed on the published table itself."""
+import math
+from pathlib import Path
+
+import pytest
+
+from fewclip.report.literature import (correlations, findings, harmonic, measured_side, published_side, ranks,
+                                reproduced, spearman)
+from fewclip.report.runs import RunResult
+
+
+def test_ranks_average_ties():
+    assert ranks([10, 20, 20, 5]) == [2.0, 3.5, 3.5, 1.0]
+
+
+def test_spearman_on_known_inputs():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # scipy.stats.spearmanr([1, 2, 3, 4, 5], [5, 6, 7, 8, 7]).statistic
+    assert spearman([1, 2, 3, 4, 5], [5, 6, 7, 8, 7]) == pytest.approx(0.8207826816681233, abs=1e-12)
+    # without ties: 1 - 6 sum d^2 / (n (n^2 - 1)); d = (0, 2, -1, -1) -> 1 - 36 / 60
+    assert spearman([1, 2, 3, 4], [1, 4, 2, 3]) == pytest.approx(1 - 6 * 6 / 60)
+    assert math.isnan(spearman([1, 2], [2, 1])) and math.isnan(spearman([1, 2, 3], [5, 5, 5]))
+    with pytest.raises(ValueError):
+        spearman([1, 2, 3], [1, 2])
+
+
+def test_reproduction_rule_needs_the_sign_and_a_factor_of_two():
+    assert reproduced(-11.0, -6.0) and reproduced(-11.0, -21.9)
+    assert not reproduced(-11.0, -5.0) and not reproduced(-11.0, -23.0) and not reproduced(-11.0, 6.0)
+    assert reproduced(2.5, None) is None
+
+
+def test_the_published_side_reproduces_every_finding_it_has_against_itself():
+    pub = published_side()
+    assert pub.values[("fewshot", 1)]["zeroshot"] == pub.values[("fewshot", 16)]["zeroshot"]
+    assert pub.values[("base2new", "new")]["coop"] == pytest.approx(63.22)  # CoCoOp's Table 1, the first source
+    assert "CLIP-SVD" in pub.sources[("fewshot", 1)]["coop"]
+    f = {x.number: x for x in findings(pub.values, pub.values)}
+    assert f[1].published[0] == pytest.approx(63.22 - 74.22)
+    assert f[5].published == pytest.approx([70.62 - 68.09, 73.08 - 70.13, 75.75 - 73.59])
+    assert f[7].published == [4.0]
+    assert f[9].published == pytest.approx([63.33 - 58.16, (23.06 + 55.4 + 56.6 + 34.67 - 21.83 - 51.41 - 56.15
+                                                            - 33.37) / 4])
+    for n in (1, 2, 3, 4, 5, 6, 7, 9):
+        assert f[n].verdict is True, n
+    assert f[8].verdict is None  # no published TransCLIP row
+    rho = {c.setting: c.rho for c in correlations(pub.values, pub.values)}
+    assert rho["few-shot, 1 shot"] == pytest.approx(1.0)
+
+
+def _run(method, dataset, backbone, shots, seed, top1, protocol="fewshot", evals=None):
+    return RunResult(method=method, dataset=dataset, backbone=backbone, shots=shots, seed=seed, top1=top1,
+                     path=Path("x"), protocol=protocol, evals=evals or {})
+
+
+def test_measured_side_averages_seeds_then_tasks_then_backbones():
+    runs = [_run("coop", "a", "b1", 1, 1, 60), _run("coop", "a", "b1", 1, 2, 70),  # task a: 65
+            _run("coop", "b", "b1", 1, 1, 45),  # task b: 45 -> b1: 55
+            _run("coop", "a", "b2", 1, 1, 75),  # b2: (75 + 55) / 2 = 65 -> coop 60
+            _run("zeroshot", "a", "b1", 0, 1, 50), _run("zeroshot", "a", "b2", 0, 1, 40),
+            _run("lpp", "a", "b1", 1, 1, 99),  # only on b1: left out of the average over backbones
+            _run("zeroshot", "b", "b1", 0, 1, 40), _run("zeroshot", "b", "b2", 0, 1, 40),
+            _run("coop", "b", "b2", 1, 1, 55),  # b2: 65
+            _run("gda", "a", "b1", 1, 1, 90), _run("gda", "a", "b2", 1, 1, 90)]  # not on task b: left out
+    got, notes = measured_side(runs)
+    assert notes["backbones"] == ["b1", "b2"]
+    assert got[("fewshot", 1)] == {"coop": pytest.approx(60.0), "zeroshot": pytest.approx(42.5)}
+    assert got[("fewshot", 16)] == {"zeroshot": pytest.approx(42.5)}
+    assert any("gda" in line and "1 of 2 tasks" in line for line in notes["incomplete"])
+    b2n = [_run("coop", "a", "b1", 16, 1, 0, "base2new", {"base": 80.0, "new": 60.0}),
+           _run("coop", "b", "b1", 16, 1, 0, "base2new", {"base": 90.0, "new": 70.0})]
+    got, _ = measured_side(b2n)
+    assert got[("base2new", "base")]["coop"] == pytest.approx(85.0)
+    assert got[("base2new", "hm")]["coop"] == pytest.approx(harmonic(85.0, 65.0))
+    ds = [_run("coop", "net", "b1", 16, 1, 0, "domain_shift", {"source": 70.0, "t1": 50.0, "t2": 40.0})]
+    got, _ = measured_side(ds)
+    assert got[("domain_shift", "targets")]["coop"] == pytest.approx(45.0)
+
+
+def test_the_linear_probe_crossing_needs_four_shots_measured():
+    pub = published_side().values
+    only_one = {("fewshot", 1): {"zeroshot": 60.0, "linear_probe": 40.0}}
+    f7 = {f.number: f for f in findings(pub, only_one)}[7]
+    assert f7.measured == [None] and f7.verdict is None
+    late = {("fewshot", k): {"zeroshot": 60.0, "linear_probe": 40.0 + 2 * k} for k in (1, 2, 4, 8, 16)}
+    f7 = {f.number: f for f in findings(pub, late)}[7]
+    assert f7.measured == [16.0] and f7.verdict is False  # 40 + 2 * 16 >= 60 first at 16 shots
+    early = {("fewshot", k): {"zeroshot": 60.0, "linear_probe": 50.0 + 3 * k} for k in (1, 2, 4)}
+    f7 = {f.number: f for f in findings(pub, early)}[7]
+    assert f7.measured == [4.0] and f7.verdict is True

@@ -1,0 +1,120 @@
+"""World 2 (issue 31): deterministic generation, class counts, base/new splits of genuinely new concepts, and the
+domain-shift family's targets."""
+import numpy as np
+import pytest
+
+import fewclip.datasets.world2 as w2
+from fewclip.data.base import build_dataset, DataConfig
+from fewclip.datasets.world2tasks import (CROSS_DATASET_TARGETS, DOMAIN_SHIFT_TARGETS, FEWSHOT_TASKS, TASKS,
+                                          World2Task)
+from fewclip.data.protocols import base_new_classes, class_map
+from fewclip.backbones.tokenizer import WordTokenizer
+
+
+def test_catalogue_has_hundreds_of_uniquely_named_concepts_in_every_family():
+    cat = w2.catalogue()
+    assert len(cat) == sum(f.n for f in w2.FAMILIES) >= 500
+    assert len({c.name for c in cat}) == len(cat)
+    assert [c.id for c in cat] == list(range(len(cat)))
+    vocab = set(w2.vocabulary())
+    assert all(c.name in vocab for c in cat)
+    p = w2.pretrain_concept_p()
+    assert p.min() > 0 and abs(p.sum() - 1) < 1e-9  # every concept, hence every class name, is pretrained on
+    # fine-grained families sit closer to their prototype than the generic one
+    spread = {f.name: np.std([c.params for c in w2.concepts_of(f.name)], axis=0)[:8].mean() for f in w2.FAMILIES}
+    assert spread["plane"] < spread["car"] < spread["thing"]
+
+
+def test_rendering_and_captions_are_pure_functions_of_seed_and_index():
+    idx = np.arange(100, 164)
+    a_img, a_cap = w2.render_pretrain(7, idx)
+    b_img, b_cap = w2.render_pretrain(7, idx)
+    assert a_img.dtype == np.uint8 and a_img.shape == (64, 32, 32, 3)
+    assert np.array_equal(a_img, b_img) and a_cap == b_cap
+    c_img, _ = w2.render_pretrain(8, idx)
+    assert not np.array_equal(a_img, c_img)
+    # a batch's images do not depend on the batch they are rendered in
+    part, _ = w2.render_pretrain(7, idx[10:20])
+    assert np.array_equal(part, a_img[10:20])
+    tok = WordTokenizer(w2.vocabulary(), context_length=16)
+    ids = tok(w2.captions(*w2.sample_pretrain(7, np.arange(500)), 7, np.arange(500)))
+    assert not (ids == tok.unk_token_id).any()
+
+
+def test_each_style_renders_differently():
+    n = 8
+    c = np.full(n, 5)
+    imgs = [w2.render(c, np.full(n, s), 3, np.arange(n)) for s in range(len(w2.STYLES))]
+    for i in range(len(imgs)):
+        for j in range(i + 1, len(imgs)):
+            assert np.abs(imgs[i].astype(int) - imgs[j].astype(int)).mean() > 10, (w2.STYLES[i], w2.STYLES[j])
+
+
+def test_tasks_have_benchmark_like_class_counts():
+    counts = {n: len(TASKS[n].concepts) for n in FEWSHOT_TASKS}
+    assert len(FEWSHOT_TASKS) == 10 and counts["w2-net"] == 200
+    assert min(counts.values()) >= 10 and np.mean(list(counts.values())) >= 50
+    for name in FEWSHOT_TASKS:
+        spec = TASKS[name]
+        assert len(set(spec.concepts)) == len(spec.concepts)
+        assert spec.templates[0] == "a photo of a {}."
+    ds = build_dataset(DataConfig(name="w2-land"))
+    assert isinstance(ds, World2Task) and sorted(ds.splits) == ["test", "train", "val"]
+    assert len(ds.items("train")) == 10 * TASKS["w2-land"].per_class[0]
+    img = ds.load_image(ds.items("test")[3])
+    assert img.size == (32, 32)
+    again = World2Task(TASKS["w2-land"]).load_image(ds.items("test")[3])
+    assert np.array_equal(np.asarray(img), np.asarray(again))
+
+
+@pytest.mark.parametrize("name", FEWSHOT_TASKS)
+def test_base_and_new_classes_are_different_concepts(name):
+    spec = TASKS[name]
+    base, new = base_new_classes(len(spec.concepts))
+    b = {spec.concepts[i] for i in base}
+    n = {spec.concepts[i] for i in new}
+    assert b and n and not (b & n)
+    bnames = {spec.classnames[i] for i in base}
+    # genuinely new: no new class name contains a base class name or one of its words (toy-objects' failure)
+    for i in new:
+        assert not any(w in bnames for w in spec.classnames[i].split())
+    # base and new both mix frequent and rare concepts (the class order is a permutation)
+    rank = {c.id: c.rank for c in w2.catalogue()}
+    if len(spec.concepts) >= 40:
+        assert np.mean([rank[c] for c in b]) / np.mean([rank[c] for c in n]) == pytest.approx(1, abs=0.35)
+
+
+def test_domain_shift_targets_share_the_source_classes_and_shift_style():
+    src = build_dataset(DataConfig(name="w2-net"))
+    styles = set()
+    for target in DOMAIN_SHIFT_TARGETS["w2-net"]:
+        spec = TASKS[target]
+        ds = build_dataset(DataConfig(name=target))
+        assert list(ds.splits) == ["test"]
+        m = class_map(src, ds)
+        assert [src.classnames[i] for i in m] == ds.classnames
+        assert spec.seed != TASKS["w2-net"].seed
+        styles.add((spec.style, spec.difficulty))
+    assert len(styles) == 4 and ("photo", 0.0) not in styles
+    a, r = set(TASKS["w2-net-a"].concepts), set(TASKS["w2-net-r"].concepts)
+    assert len(a) == len(r) == 100 and not (a & r)
+    assert set(CROSS_DATASET_TARGETS["w2-net"]) == set(FEWSHOT_TASKS) - {"w2-net"}
+
+
+def test_shipped_world2_cards_match_their_weights_and_recipe():
+    from omegaconf import OmegaConf
+
+    from fewclip.backbones.backbone import REFERENCE_DIR, shipped_cards, sha256_file
+    from fewclip.datasets.world2pretrain import RECIPES, VOCAB_FILE
+
+    cards = {n: p for n, p in shipped_cards().items() if n.startswith("w2-")}
+    assert cards, "no w2-* card shipped"
+    assert set(cards) <= set(RECIPES)
+    for name, path in cards.items():
+        card = OmegaConf.load(path)
+        weights = REFERENCE_DIR / card.weights
+        assert sha256_file(weights) == card.sha256
+        assert weights.stat().st_size <= 10 * 1024 * 1024
+        assert card.geometry.name == RECIPES[name]["geometry"] and card.tokenizer.file == VOCAB_FILE
+        assert card.trained_with.command.startswith(f"python scripts/pretrain_world2.py recipe={name} ")
+        assert WordTokenizer.load(REFERENCE_DIR / VOCAB_FILE).words == w2.vocabulary()
