@@ -13,7 +13,7 @@ import time
 import torch
 
 from fewclip.backbones.backbone import BackboneConfig, load_backbone
-from fewclip.cli.main import setup_logging
+from fewclip.utils.logs import setup_logging
 from fewclip.config.compose import load_config
 from fewclip.datasets import DataConfig, build_dataset
 from fewclip.datasets.toytasks import TASKS

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from fewclip.backbones.backbone import REFERENCE_DIR, BackboneConfig, load_backbone, shipped_cards
-from fewclip.cli.main import setup_logging
+from fewclip.utils.logs import setup_logging
 from fewclip.datasets import DataConfig, build_dataset
 from fewclip.data.protocols import plan_base2new
 from fewclip.datasets.toytasks import TASKS
