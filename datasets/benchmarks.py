@@ -484,6 +484,7 @@ def build_benchmark(b: Benchmark, cfg: DataConfig) -> Dataset:
     if b.test_only and not splits["test"]:
         raise _layout_error(b, f"no test images found under {image_root}", root)
     dataset = Dataset(b.name, classnames, _templates(b), splits, image_root, class_ids=class_ids)
+    dataset.split_renames = dict(b.rename)  # a split file's raw names, for fewclip.data.split_files
     if b.reader == "imagenet" and not cfg.split_file:  # CoOp's pool differs (data.sampler=coop)
         dataset.coop_pool = partial(coop_imagenet_pool, dataset)
     return dataset

@@ -35,7 +35,7 @@ from PIL import Image
 
 import fewclip.datasets.world2 as w2
 from fewclip.data.base import DataConfig, Dataset, Item, register_dataset
-from fewclip.datasets import toyworld
+import fewclip.datasets.toyworld as toyworld
 from fewclip.datasets.toyworld import uniform
 
 _SPLIT_OFFSET = {"train": 0, "val": 10_000_000, "test": 20_000_000}

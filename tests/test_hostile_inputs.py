@@ -306,7 +306,7 @@ def test_a_split_files_class_names_must_be_the_datasets(zhou_files, tmp_path, ca
 def test_names_that_differ_only_in_case_or_underscores_are_the_same(zhou_files, tmp_path, capsys):
     path = edited(zhou_files / "toy-shapes.json", tmp_path / "case.json", lambda name: f"_{name.upper()}_")
     assert main(["split", "import", str(path), "data=toy-shapes", "seed=1"]) == 0
-    assert "the same images" in capsys.readouterr().out
+    assert "the same training and validation images" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("damage, words", [

@@ -1,14 +1,13 @@
 """The ``fewclip`` command line.
 
-``fewclip.cli`` was one module until fewclip 0.2; its names still resolve here (from ``fewclip.cli.main``) with a
+``fewclip.cli`` was one module before the layered layout; its names still resolve here (from ``fewclip.cli.main``) with a
 ``DeprecationWarning``, for one release.
 """
+import importlib
+import warnings
 
 
 def __getattr__(name: str):
-    import importlib  # on first use of an old name only
-    import warnings
-
     module = importlib.import_module("fewclip.cli.main")
     if name.startswith("__") or not hasattr(module, name):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

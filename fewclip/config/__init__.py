@@ -1,14 +1,13 @@
 """Configuration: the sections (torch-free dataclasses), their help, presets, composing a run's tree.
 
-``fewclip.config`` was one module until fewclip 0.2; its names still resolve here (from ``fewclip.config.compose``) with a
+``fewclip.config`` was one module before the layered layout; its names still resolve here (from ``fewclip.config.compose``) with a
 ``DeprecationWarning``, for one release.
 """
+import importlib
+import warnings
 
 
 def __getattr__(name: str):
-    import importlib  # on first use of an old name only
-    import warnings
-
     module = importlib.import_module("fewclip.config.compose")
     if name.startswith("__") or not hasattr(module, name):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -185,6 +185,9 @@ class Dataset:
     # them); None for a dataset of files. The feature store checks it, or the files, before it serves
     # features (``fewclip.data.image_fingerprint``).
     generator = None  # Optional[str]; not a dataclass field
+    # Raw class names of the dataset's published split files and the name it gives each (CoOp's renames:
+    # Caltech's ``Faces`` is ``face``), for checking a split file's names; empty: none. Set by the reader.
+    split_renames = {}  # Dict[str, str]; not a dataclass field (a class default, never mutated: readers assign)
 
     name: str
     classnames: List[str]

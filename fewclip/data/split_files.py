@@ -428,18 +428,6 @@ def _name_key(name: str) -> str:
     return " ".join(name.replace("_", " ").split()).casefold()
 
 
-def _renamed(name: str) -> Optional[str]:
-    """The name a CoOp benchmark gives a raw class name of its split files (Caltech's ``Faces`` is ``face``,
-    EuroSAT's ``AnnualCrop`` ``Annual Crop Land``), or None. Imported here only: this module stays torch-free
-    until a name differs."""
-    from fewclip.datasets.benchmarks import BENCHMARKS
-
-    for b in BENCHMARKS.values():
-        if name in b.rename:
-            return b.rename[name]
-    return None
-
-
 def _check_names(sf: SplitFile, pairs: Sequence[Tuple[Entry, Item]], dataset: Dataset) -> None:
     """Each image's class name in the file (where the format has one) against the dataset's name of its label,
     label by label: the file's label numbers may differ, its names may not (wrong names, one name for every
@@ -450,7 +438,7 @@ def _check_names(sf: SplitFile, pairs: Sequence[Tuple[Entry, Item]], dataset: Da
         want = dataset.classnames[it.label]
         if _name_key(e.classname) == _name_key(want):
             continue
-        alias = _renamed(e.classname)
+        alias = dataset.split_renames.get(e.classname)
         if alias is not None and _name_key(alias) == _name_key(want):
             continue
         raise SplitFileError(f"{sf.path}: image {e.path!r} is class {e.classname!r} in the file but "
