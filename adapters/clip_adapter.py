@@ -108,7 +108,7 @@ CLAP_CFG = "jusiro/CLAP@dbdf409 configs/trainers/SGD_lr1e-1_B256_ep300.yaml"
 register_presets(
     "clip_adapter",
     Preset("authors", "CLIP-Adapter's released code (clip_adapter.py), which gives no optimiser settings and points "
-                      "to CoOp's; fewclip's defaults are those (tests/test_cache_parity.py)"),
+                      "to CoOp's; fewclip's defaults are those (tests/parity/test_cache_parity.py)"),
     Preset("clap", "CLIP-Adapter as CLAP's repository re-runs it (INIT ClipA), which many papers quote", settings=(
         Setting("train.lr", 0.1, f"{CLAP_CFG}:17", "CLAP's one config for every method"),
         Setting("train.weight_decay", 0.0, f"{CLAP_CFG}:23", "CLAP's one config for every method"),

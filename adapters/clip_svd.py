@@ -140,7 +140,7 @@ register_adapter("clip_svd", ClipSVDConfig, ClipSVD, export=TOWER)
 register_presets(
     "clip_svd",
     Preset("authors", "CLIP-SVD's few-shot configs (configs/few_shot/*.yaml): fewclip's defaults "
-                      "(tests/test_tower_parity.py)"),
+                      "(tests/parity/test_clip_svd_2sfs_parity.py)"),
     Preset("base2new", "CLIP-SVD's base-to-novel configs", settings=(
         Setting("train.lr", 4e-4, "HealthX-Lab/CLIP-SVD@022b1ed configs/base2new/imagenet.yaml:2",
                 "their base-to-novel learning rate (every dataset)"),),

@@ -195,5 +195,5 @@ register_adapter("cocoop", CoCoOpConfig, CoCoOp, export=STATE)
 register_presets(
     "cocoop",
     Preset("authors", "CoCoOp's vit_b16_c4_ep10_batch1_ctxv1 config: fewclip's defaults "
-                      "(tests/test_prompt_parity.py)"),
+                      "(tests/parity/test_prompt_parity.py)"),
 )

@@ -256,5 +256,5 @@ register_adapter("coop", CoOpConfig, CoOp, export=PROMPTS)
 register_presets(
     "coop",
     Preset("authors", "CoOp's released configs (KaiyangZhou/CoOp configs/trainers/CoOp/*.yaml): "
-                      "fewclip's defaults (tests/test_prompt_parity.py)"),
+                      "fewclip's defaults (tests/parity/test_prompt_parity.py)"),
 )

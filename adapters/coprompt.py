@@ -238,7 +238,7 @@ register_adapter("coprompt", CoPromptConfig, CoPrompt, export=STATE)
 register_presets(
     "coprompt",
     Preset("authors", "CoPrompt's configs/trainers/coprompt.yaml: fewclip's defaults "
-                      "(tests/test_towers2_parity.py)", not_expressed=(
+                      "(tests/parity/test_dept_mmrl_coprompt_parity.py)", not_expressed=(
         "a second random view through RandAugment for the frozen image features (ShuvenduRoy/CoPrompt"
         " K_TRANSFORMS 2); fewclip uses the batch's cached view",
     )),

@@ -215,7 +215,7 @@ DEPT_MAPLE = "Koorye/DePT@d4ff416 configs/trainers/ExtrasLinearProbeMaPLe/vit_b1
 register_presets(
     "dept",
     Preset("authors", "DePT on CoOp, their ExtrasLinearProbeCoOp config (vit_b16_ep10_bs4_lr35.yaml): fewclip's "
-                      "defaults (tests/test_towers2_parity.py)", not_expressed=(
+                      "defaults (tests/parity/test_dept_mmrl_coprompt_parity.py)", not_expressed=(
         "their cosine schedule steps once per epoch; fewclip's per iteration",)),
     Preset("maple", "DePT on MaPLe, their ExtrasLinearProbeMaPLe config", settings=(
         Setting("adapter.learner", "maple", "Koorye/DePT@d4ff416 trainers/elp_maple.py", "the MaPLe prompt learner"),

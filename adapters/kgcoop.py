@@ -69,7 +69,7 @@ register_adapter("kgcoop", KgCoOpConfig, KgCoOp, export=STATE)
 register_presets(
     "kgcoop",
     Preset("authors", "KgCoOp's vit_b16_ep100_ctxv1 config and scripts: fewclip's defaults "
-                      "(tests/test_prompt_parity.py)", not_expressed=(
+                      "(tests/parity/test_prompt_parity.py)", not_expressed=(
         "one hand-made template per dataset for the teacher (htyao89/KgCoOp trainers/kgcoop.py): add "
         "data.templates=single",
     )),

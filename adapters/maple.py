@@ -106,5 +106,5 @@ register_adapter("maple", MaPLeConfig, MaPLe, export=STATE)
 register_presets(
     "maple",
     Preset("authors", "MaPLe's vit_b16_c2_ep5_batch4_2ctx config: fewclip's defaults "
-                      "(tests/test_deep_parity.py)"),
+                      "(tests/parity/test_deep_parity.py)"),
 )

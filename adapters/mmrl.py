@@ -277,7 +277,7 @@ MMRL_FEW = "yunncheng/MMRL@27d8821 configs/trainers/MMRL/vit_b16_few_shot.yaml"
 register_presets(
     "mmrl",
     Preset("authors", "MMRL's base-to-novel config (configs/trainers/MMRL/vit_b16.yaml): fewclip's defaults "
-                      "(tests/test_towers2_parity.py)", not_expressed=(
+                      "(tests/parity/test_dept_mmrl_coprompt_parity.py)", not_expressed=(
         "per-dataset REG_WEIGHT (yunncheng/MMRL@27d8821 trainers/config.py): set adapter.reg_weight",
         "logits at CLIP ViT-B/16's scale 100 (hard-coded); fewclip uses the backbone's logit scale")),
     Preset("fewshot", "MMRL's few-shot config", settings=(

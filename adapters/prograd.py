@@ -123,5 +123,5 @@ register_adapter("prograd", ProGradConfig, ProGrad, export=STATE)
 register_presets(
     "prograd",
     Preset("authors", "ProGrad's base-to-novel script (16 context vectors): fewclip's defaults "
-                      "(tests/test_prompt_parity.py)"),
+                      "(tests/parity/test_prompt_parity.py)"),
 )

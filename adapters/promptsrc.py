@@ -201,7 +201,7 @@ SRC_FEW = "muzairkhattak/PromptSRC@bb95c77 configs/trainers/PromptSRC/vit_b16_c2
 register_presets(
     "promptsrc",
     Preset("authors", "PromptSRC's base-to-novel config (configs/trainers/PromptSRC/vit_b16_c2_ep20_batch4_4+4ctx.yaml): "
-                      "fewclip's defaults (tests/test_deep_parity.py)"),
+                      "fewclip's defaults (tests/parity/test_deep_parity.py)"),
     Preset("fewshot", "PromptSRC's few-shot config", settings=(
         Setting("train.epochs", 50, f"{SRC_FEW}:19", "their few-shot runs train 50 epochs"),
         Setting("adapter.gpa_mean", 30.0, f"{SRC_FEW}:43", "GPA centred on epoch 30 of 50"),

@@ -154,7 +154,7 @@ register_adapter("tcp", TCPConfig, TCP, export=STATE)
 register_presets(
     "tcp",
     Preset("authors", "TCP's vit_b16_ep100_ctxv1 config and base2new script: fewclip's defaults "
-                      "(tests/test_prompt_parity.py)", not_expressed=(
+                      "(tests/parity/test_prompt_parity.py)", not_expressed=(
         "25 epochs for ImageNet and SUN397 (htyao89/Textual-based_Class-aware_prompt_tuning "
         "train.py): add train.epochs=25 there",
     )),

@@ -231,5 +231,5 @@ register_adapter("2sfs", TwoSFSConfig, TwoSFS, export=TOWER)
 register_presets(
     "2sfs",
     Preset("authors", "2SFS's fixed recipe (FarinaMatteo/rethinking_fewshot_vlms fs/twostage.py): "
-                      "fewclip's defaults (tests/test_tower_parity.py)"),
+                      "fewclip's defaults (tests/parity/test_clip_svd_2sfs_parity.py)"),
 )

@@ -53,5 +53,5 @@ register_adapter("zeroshot", ZeroShotConfig, ZeroShot)
 register_presets(
     "zeroshot",
     Preset("authors", "CLIP's zero-shot classifier: the same computation "
-                      "(tests/test_prompt_parity.py's zeroshot fixture)"),
+                      "(tests/parity/test_prompt_parity.py's zeroshot fixture)"),
 )

@@ -3,8 +3,8 @@
     python scripts/prompt_parity.py          # about 20 s on the 2-core CPU
 
 Rebuilds every fixture of ``tests/fixtures/prompt_ref`` (numbers the authors' repositories computed on the
-tiny CLIP of ``tests/tiny_clip.py``: CoOp in five layouts, CoCoOp, KgCoOp, ProGrad, TCP, and the zero-shot
-baseline) with fewclip (``tests/prompt_parity.py``: logits in every text mode, text features, losses, one
+tiny CLIP of ``tests/helpers/tiny_clip.py``: CoOp in five layouts, CoCoOp, KgCoOp, ProGrad, TCP, and the zero-shot
+baseline) with fewclip (``tests/helpers/prompt_parity.py``: logits in every text mode, text features, losses, one
 step's gradients and parameters through the engine's loop), and prints, per fixture, the largest absolute
 difference and where it is, with the range of the numbers compared.
 """

@@ -2,7 +2,7 @@
 block, with and without local windows; prompts sit where the authors put them; every text path gives the
 same features; the backbone is never touched; the zero-shot start in every geometry; MaPLe's couplings;
 PromptSRC's teacher, losses and aggregation; the engine feeds the frozen features of the same view; new
-class names. The parity with the authors' code is tests/test_deep_parity.py."""
+class names. The parity with the authors' code is tests/parity/test_deep_parity.py."""
 import copy
 
 import pytest

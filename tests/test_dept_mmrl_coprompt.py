@@ -1,7 +1,7 @@
 """DePT, MMRL and CoPrompt (issue 23) in fewclip: every geometry and SigLIP-style towers, the zero-shot start
 where the method has one, only the method's tensors learn and the backbone is untouched, new class names as
 the authors score them, the engine's parameter groups, export and predict. Parity with the authors' code is
-tests/test_towers2_parity.py."""
+tests/parity/test_dept_mmrl_coprompt_parity.py."""
 import copy
 import json
 import logging

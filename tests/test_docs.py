@@ -158,7 +158,7 @@ def test_a_plugins_method_gets_the_same_page(tmp_path):
 
 def test_a_builtin_page_carries_its_parity_and_geometry():
     page = load_hook().method_page("tip_adapter")
-    assert "`tests/test_cache_parity.py`: largest difference logits 8.8e-6" in page
+    assert "`tests/parity/test_cache_parity.py`: largest difference logits 8.8e-6" in page
     assert "exp(-beta d_L)" in page and "| `adapter.tie_break` |" in page
     assert "gaopengcuhk/Tip-Adapter@d0e2d6f" in page
 

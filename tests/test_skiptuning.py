@@ -1,6 +1,6 @@
 """SkipTuning (adapters/skiptuning.py): zero-shot at the start in every geometry, class-wise skipping as a few
 numbers, only the upper blocks train and the lower ones keep no activations, a run trains, and both exports
-predict what the run scored. Its authors' numbers: tests/test_skiptuning_parity.py."""
+predict what the run scored. Its authors' numbers: tests/parity/test_skiptuning_parity.py."""
 from types import SimpleNamespace
 
 import pytest

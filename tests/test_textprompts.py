@@ -1,6 +1,6 @@
 """CoCoOp, KgCoOp, ProGrad and TCP in every geometry and on SigLIP-style towers: where each starts (zero-shot
 or CoOp, exactly), that every text path gives the same logits, that only their own tensors train, new class
-names, and runs through the command line. Parity with the authors' code is tests/test_prompt_parity.py."""
+names, and runs through the command line. Parity with the authors' code is tests/parity/test_prompt_parity.py."""
 import json
 
 import pytest

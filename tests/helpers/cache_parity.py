@@ -1,4 +1,4 @@
-"""Shared by several test files (from tests/test_cache_parity.py)."""
+"""Shared by several test files (from tests/parity/test_cache_parity.py)."""
 import dataclasses
 import torch
 from fewclip.backbones.geometry import make_geometry

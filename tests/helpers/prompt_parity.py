@@ -5,7 +5,7 @@ float32 exactly), the same images, class names and parameters, and returns ``(wh
 pairs: logits, text features, losses, gradients after one step, and parameters after the optimiser's first
 step. The step goes through the engine's own loop (``train_loop`` for one iteration: the adapter's
 ``training_loss`` and ``backward``, its ``train_defaults`` optimiser, the warm-up lr 1e-5 of the first
-step), so the training path is pinned, not a re-derivation of it. Used by ``tests/test_prompt_parity.py``
+step), so the training path is pinned, not a re-derivation of it. Used by ``tests/parity/test_prompt_parity.py``
 (every pair to 1e-4) and ``scripts/prompt_parity.py`` (the largest difference per fixture).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Shared by several test files (from tests/test_towers2_parity.py)."""
+"""Shared by several test files (from tests/parity/test_dept_mmrl_coprompt_parity.py)."""
 import open_clip
 import pytest
 from open_clip.model import build_model_from_openai_state_dict
@@ -10,7 +10,7 @@ from helpers.tiny_clip import state_sha256, tiny_openai_state_dict
 
 @pytest.fixture(scope="module")
 def tiny():
-    """The tiny OpenAI-layout CLIP as a fewclip backbone in exact float32 (as tests/test_deep_parity.py)."""
+    """The tiny OpenAI-layout CLIP as a fewclip backbone in exact float32 (as tests/parity/test_deep_parity.py)."""
     sd = tiny_openai_state_dict(0)
     model = build_model_from_openai_state_dict(dict(sd)).float().eval()
     model.load_state_dict({k: v for k, v in sd.items() if k not in OPENAI_EXTRA_KEYS})

@@ -1,7 +1,7 @@
-"""CLIP-SVD against its authors' code on the tiny CLIP of tests/tiny_clip.py (tests/fixtures/tower_ref,
+"""CLIP-SVD against its authors' code on the tiny CLIP of tests/helpers/tiny_clip.py (tests/fixtures/tower_ref,
 README there): logits before and after one AdamW step, the cross-entropy loss, every singular-value
 gradient and the singular values after the step. The largest differences are printed by
-``python -m pytest -q tests/test_tower_parity.py -s``."""
+``python -m pytest -q tests/parity/test_clip_svd_2sfs_parity.py -s``."""
 import json
 
 import open_clip
@@ -32,7 +32,7 @@ def report():
 
 @pytest.fixture(scope="module")
 def tiny():
-    """The tiny OpenAI-layout CLIP as a fewclip backbone in exact float32 (as tests/test_deep_parity.py)."""
+    """The tiny OpenAI-layout CLIP as a fewclip backbone in exact float32 (as tests/parity/test_deep_parity.py)."""
     sd = tiny_openai_state_dict(0)
     model = build_model_from_openai_state_dict(dict(sd)).float().eval()
     model.load_state_dict({k: v for k, v in sd.items() if k not in OPENAI_EXTRA_KEYS})
@@ -52,7 +52,7 @@ def test_clip_svd_matches_the_authors_step(tiny, case):
     bb, sha = tiny
     ref = load_file(str(FIXTURES / "clip_svd.safetensors"))
     meta = json.loads((FIXTURES / "clip_svd.json").read_text())
-    assert meta["state_sha256"] == sha, "tests/tiny_clip.py no longer builds the fixtures' model"
+    assert meta["state_sha256"] == sha, "tests/helpers/tiny_clip.py no longer builds the fixtures' model"
     c = meta["cases"][case]
     ad = ClipSVD(ClipSVDConfig(towers="text" if c["text_only"] else "both"), bb, meta["classes"], [meta["template"]])
     names = {k: their_name(k) for k in ad.svd}
@@ -96,7 +96,7 @@ def test_2sfs_matches_the_authors_two_stages(tiny, case):
     bb, sha = tiny
     ref = load_file(str(FIXTURES / "twosfs.safetensors"))
     meta = json.loads((FIXTURES / "twosfs.json").read_text())
-    assert meta["state_sha256"] == sha, "tests/tiny_clip.py no longer builds the fixtures' model"
+    assert meta["state_sha256"] == sha, "tests/helpers/tiny_clip.py no longer builds the fixtures' model"
     c = meta["cases"][case]
     ad = TwoSFS(TwoSFSConfig(towers=c["modality"], stage1_fraction=c["n_iters_frac"]), bb, meta["classes"],
                 [meta["template"]])

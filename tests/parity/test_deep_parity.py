@@ -1,7 +1,7 @@
 """IVLP, MaPLe and PromptSRC against their authors' code on the same tiny CLIP (tests/fixtures/deep_ref,
 README there): logits, the loss and one step's gradients, PromptSRC's teacher, loss terms and a 4-epoch run
 with Gaussian prompt aggregation. The largest differences are printed by
-``python -m pytest -q tests/test_deep_parity.py -s``."""
+``python -m pytest -q tests/parity/test_deep_parity.py -s``."""
 
 import open_clip
 import pytest
@@ -83,7 +83,7 @@ IVLP_CASES = {  # case: (n vision, n text, depth vision, depth text)
 def test_weights_and_plain_towers(tiny, images):
     bb, sha = tiny
     ref, meta = fixture("ivlp")
-    assert sha == meta["state_sha256"], "tests/tiny_clip.py no longer gives the fixtures' weights"
+    assert sha == meta["state_sha256"], "tests/helpers/tiny_clip.py no longer gives the fixtures' weights"
     with torch.no_grad():
         check("plain image features", bb.encode_images(images), ref["plain/image_features"])
         check("plain text features", bb.encode_text([f"a photo of a {c}." for c in CLASSNAMES]),

@@ -1,7 +1,7 @@
-"""DePT, MMRL and CoPrompt against their authors' code on the tiny CLIP of tests/tiny_clip.py
+"""DePT, MMRL and CoPrompt against their authors' code on the tiny CLIP of tests/helpers/tiny_clip.py
 (tests/fixtures/tower2_ref, README there): logits, each loss term, one step's gradients of every learnable
 tensor and the parameters after it. The largest differences are printed by
-``python -m pytest -q tests/test_towers2_parity.py -s``."""
+``python -m pytest -q tests/parity/test_dept_mmrl_coprompt_parity.py -s``."""
 import json
 
 import pytest
@@ -55,7 +55,7 @@ DEPT_NAMES = {"learner.ctx": "prompt_learner.ctx", "head.weight": "linear_probe_
 def test_dept(tiny, images):
     bb, sha = tiny
     ref, meta = fixture("dept")
-    assert sha == meta["state_sha256"], "tests/tiny_clip.py no longer gives the fixtures' weights"
+    assert sha == meta["state_sha256"], "tests/helpers/tiny_clip.py no longer gives the fixtures' weights"
     a = DePT(DePTConfig(n_ctx=meta["n_ctx"]), bb, meta["classnames"])
     params = dict(a.named_parameters())
     assert sorted(DEPT_NAMES[n] for n in params) == meta["learnable"]

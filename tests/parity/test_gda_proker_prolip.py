@@ -2,7 +2,7 @@
 every geometry, ProKeR's kernel-free solve equal to the direct one, ProLIP's pre-projection features.
 
 Fixtures: tests/fixtures/cache_ref/{gda,proker,prolip}.* (numbers from running the authors' functions; the README
-there says how). ``FeatureBackbone`` (tests/test_cache_parity.py) stands in for the backbone: the clip geometry
+there says how). ``FeatureBackbone`` (tests/parity/test_cache_parity.py) stands in for the backbone: the clip geometry
 at scale 100 and a text tower that is a table of the fixture's class text features.
 """
 

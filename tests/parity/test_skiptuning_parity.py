@@ -1,7 +1,7 @@
-"""SkipTuning against its authors' code on the tiny CLIP of tests/tiny_clip.py (tests/fixtures/skiptuning_ref,
+"""SkipTuning against its authors' code on the tiny CLIP of tests/helpers/tiny_clip.py (tests/fixtures/skiptuning_ref,
 README there): image and text features, logits, the classes a step runs, the loss, one step's gradients of every
 learnable tensor and the parameters after it. The largest difference is printed by
-``python -m pytest -q tests/test_skiptuning_parity.py -s``."""
+``python -m pytest -q tests/parity/test_skiptuning_parity.py -s``."""
 import json
 
 import pytest
@@ -37,7 +37,7 @@ def test_skiptuning(tiny):  # noqa: F811
     images = tiny_images(n=4, seed=1)
     ref = load_file(str(FIXTURES / "skiptuning.safetensors"))
     meta = json.loads((FIXTURES / "skiptuning.json").read_text())
-    assert sha == meta["state_sha256"], "tests/tiny_clip.py no longer gives the fixtures' weights"
+    assert sha == meta["state_sha256"], "tests/helpers/tiny_clip.py no longer gives the fixtures' weights"
     cfg = SkipTuningConfig(start_layer=meta["start_layer"], top_ratio=meta["top_ratio"],
                            reserve_lambda=meta["lambda"], image_lr_scale=meta["new_lr"] / meta["lr"])
     a = SkipTuning(cfg, bb, meta["classnames"], ["a photo of a {}."])
