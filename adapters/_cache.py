@@ -13,14 +13,15 @@ Pure tensor functions:
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Sequence, Tuple
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fewclip.features.encode import class_text_features, prototypes_of
 from fewclip.backbones.geometry import Geometry
+from fewclip.features.encode import class_text_features, prototypes_of
 
 TIE_BREAKS = ("loss", "first")
 
@@ -83,7 +84,7 @@ def affinity(geometry: Geometry, img: Tensor, keys: Tensor, beta, s_max) -> Tens
     return torch.exp(beta * (geometry.similarity(img, keys) - s_max))
 
 
-def authors_grid(scale: float, steps: int) -> List[float]:
+def authors_grid(scale: float, steps: int) -> list[float]:
     """Tip-Adapter's search grid (``utils.search_hp``): ``steps`` values from 0.1 up to, not including,
     ``scale``."""
     return [i * (scale - 0.1) / steps + 0.1 for i in range(steps)]
@@ -91,7 +92,7 @@ def authors_grid(scale: float, steps: int) -> List[float]:
 
 @torch.no_grad()
 def search_alpha_beta(zs_logits: Tensor, dist: Tensor, values: Tensor, labels: Tensor, betas: Sequence[float],
-                      alphas: Sequence[float], tie_break: str = "loss") -> Tuple[float, float, Tensor]:
+                      alphas: Sequence[float], tie_break: str = "loss") -> tuple[float, float, Tensor]:
     """Tip-Adapter's hyperparameter search: the (beta, alpha) whose logits ``zs_logits + alpha exp(-beta dist)
     @ values`` score best on the given (validation) images.
 
@@ -135,7 +136,7 @@ def choose(accuracies: Sequence[float], losses: Sequence[float], tie_break: str 
 
 
 @torch.no_grad()
-def scored(logits: Tensor, labels: Tensor) -> Tuple[float, float]:
+def scored(logits: Tensor, labels: Tensor) -> tuple[float, float]:
     """(accuracy in percent, mean cross-entropy) of logits [B, C] against labels [B]."""
     B, C = logits.shape
     labels = labels.to(logits.device)

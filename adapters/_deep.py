@@ -37,16 +37,17 @@ layer gets (``text_prompt_layers``, ``vision_prompt_layers``).
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import torch.nn as nn
+from open_clip.transformer import VisionTransformer
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
+from fewclip.adapter.base import Adapter, AdapterError
 from fewclip.adapters._prompts import packed_suffixes, shared_prefix_length
 from fewclip.adapters._text import TextTower, _block_shared, class_prompts, pad_sequences
-from fewclip.adapter.base import Adapter, AdapterError
-from open_clip.transformer import VisionTransformer
 
 TEXT_MODES = ("shared", "truncate", "faithful")
 
@@ -247,7 +248,7 @@ def encode_text_packed_deep(tower: TextTower, prefix: torch.Tensor, packed: torc
     return tower.head(xs[0, pool_index])
 
 
-def gaussian_weights(epochs: int, mean: float, std: float) -> List[float]:
+def gaussian_weights(epochs: int, mean: float, std: float) -> list[float]:
     """PromptSRC's Gaussian prompt aggregation weights of epochs 1 .. ``epochs`` (1-based): the normal density
     N(e; mean, std), divided by its sum (``PromptSRC/trainers/promptsrc.py``, ``get_gauss``)."""
     dens = [math.exp(-0.5 * ((e - mean) / std) ** 2) / (std * math.sqrt(2 * math.pi)) for e in range(1, epochs + 1)]
@@ -350,7 +351,7 @@ class DeepPromptAdapter(Adapter):
             return self.tower.embed(torch.tensor(self._init_ids, device=self.backbone.device)).float().cpu()
 
     # -- text tower ------------------------------------------------------------
-    def set_text_mode(self, mode: str) -> "DeepPromptAdapter":
+    def set_text_mode(self, mode: str) -> DeepPromptAdapter:
         """How the text tower runs: "shared", "truncate" or "faithful" (all give the same logits)."""
         if mode not in TEXT_MODES:
             raise ValueError(f"text mode must be one of {TEXT_MODES}, got {mode!r}")
@@ -403,7 +404,7 @@ class DeepPromptAdapter(Adapter):
         return self.backbone.geometry.image_logits(features, self.prototypes())
 
     # -- other class names -----------------------------------------------------
-    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> "DeepPromptAdapter":
+    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> DeepPromptAdapter:
         """The learned prompts (one context shared by all classes, class-independent deep prompts) on other
         class names, in eval mode."""
         if list(classnames) == self.classnames:

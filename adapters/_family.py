@@ -12,15 +12,15 @@
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fewclip.features.encode import text_prototypes
-
 from fewclip.adapter.base import Adapter, AdapterError
+from fewclip.features.encode import text_prototypes
 
 
 def default_linear(in_features: int, out_features: int, generator: torch.Generator, *, zero: bool = False,
@@ -60,7 +60,7 @@ def distance_to_teacher(geometry, points: torch.Tensor, teacher: torch.Tensor) -
     return 0.5 * d.pow(2).sum(-1).mean()
 
 
-def loss_near_teacher(adapter, features: torch.Tensor, labels: torch.Tensor, weight: float) -> Dict[str, torch.Tensor]:
+def loss_near_teacher(adapter, features: torch.Tensor, labels: torch.Tensor, weight: float) -> dict[str, torch.Tensor]:
     """Cross-entropy plus ``weight`` times ``distance_to_teacher`` of the adapter's class points to its
     ``teacher`` buffer (KgCoOp, TCP); with weight 0, the cross-entropy alone (CoOp's loss)."""
     g = adapter.backbone.geometry

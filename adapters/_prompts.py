@@ -16,8 +16,8 @@ pooling looks for, e.g. not the end-of-text id of an ``argmax``-pooled tower).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
 
 import torch
 
@@ -28,8 +28,8 @@ POSITIONS = ("end", "middle", "front")
 class PromptLayout:
     """Token ids of each class prompt (no padding) and where its context vectors go."""
 
-    tokens: List[List[int]]  # [C][L_c]
-    ctx_positions: List[List[int]]  # [C][n_ctx], in context order
+    tokens: list[list[int]]  # [C][L_c]
+    ctx_positions: list[list[int]]  # [C][n_ctx], in context order
 
 
 def assemble_prompts(names: Sequence[Sequence[int]], ctx: Sequence[int], position: str, *,
@@ -69,7 +69,7 @@ def shared_prefix_length(n_ctx: int, position: str, *, n_start: int, csc: bool) 
     return n_start + {"end": n_ctx, "middle": n_ctx // 2, "front": 0}[position]
 
 
-def packed_suffixes(tokens: Sequence[Sequence[int]], prefix: int) -> Tuple[torch.Tensor, ...]:
+def packed_suffixes(tokens: Sequence[Sequence[int]], prefix: int) -> tuple[torch.Tensor, ...]:
     """Index tensors for running prompts that share their first ``prefix`` positions with their
     suffixes packed end to end (``TextTower.forward_packed``).
 
@@ -93,7 +93,7 @@ def packed_suffixes(tokens: Sequence[Sequence[int]], prefix: int) -> Tuple[torch
     return cls_t, pos_t, mask, torch.tensor(pool, dtype=torch.long)
 
 
-def packed_suffix_rows(tokens: Sequence[Sequence[int]], prefix: int, row_tokens: int) -> Tuple[torch.Tensor, ...]:
+def packed_suffix_rows(tokens: Sequence[Sequence[int]], prefix: int, row_tokens: int) -> tuple[torch.Tensor, ...]:
     """``packed_suffixes`` in rows of about ``row_tokens`` tokens (balanced, at least the longest suffix): every
     prompt's suffix lies whole in one row, rows are filled in class order, the last slots of a row are padding.
 
@@ -113,7 +113,7 @@ def packed_suffix_rows(tokens: Sequence[Sequence[int]], prefix: int, row_tokens:
     n_rows = max(1, -(-total // max(row_tokens, longest)))
     S = max(-(-total // n_rows), longest)
     while True:
-        rows: List[List[int]] = [[]]  # prompt indices per row
+        rows: list[list[int]] = [[]]  # prompt indices per row
         used = 0
         for c, n in enumerate(lengths):
             if used + n > S:

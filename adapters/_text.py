@@ -22,24 +22,25 @@ the tower runs at the full context length.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from open_clip.transformer import ResidualAttentionBlock, text_global_pool
 
-from fewclip.adapters._prompts import PromptLayout, assemble_prompts
 from fewclip.adapter.base import AdapterError
+from fewclip.adapters._prompts import PromptLayout, assemble_prompts
 
 
 @dataclass(frozen=True)
 class PromptEnds:
     """What a tokenizer puts around every text: ``start + words + end``, then ``pad`` up to the length."""
 
-    start: List[int]  # empty for tokenizers without a start token (SigLIP's)
-    end: List[int]
+    start: list[int]  # empty for tokenizers without a start token (SigLIP's)
+    end: list[int]
     pad: int
 
     @property
@@ -99,7 +100,7 @@ class TextTower:
     def dtype(self) -> torch.dtype:
         return self.transformer.get_cast_dtype()
 
-    def encode_words(self, text: str) -> List[int]:
+    def encode_words(self, text: str) -> list[int]:
         """Token ids of ``text`` without start/end tokens."""
         return list(self.tokenizer.encode(text))
 

@@ -28,27 +28,26 @@ from __future__ import annotations
 import copy
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn as nn
+from safetensors.torch import load_file, save_file
 
-from fewclip.backbones.attention import parse_layers, split_attention, text_tower_parts, vision_tower_parts
+from fewclip.adapter.base import Adapter, AdapterError, ExportFormat
 from fewclip.adapter.exports import METADATA_KEY, ExportError, PrototypeClassifier
-
 from fewclip.adapter.state_export import FORMAT as STATE_FORMAT
 from fewclip.adapter.state_export import FORMAT_VERSION as STATE_VERSION
 from fewclip.adapter.state_export import load_state, write_state
-from fewclip.adapters._text import TextTower
-from fewclip.adapter.base import Adapter, AdapterError, ExportFormat
-from safetensors.torch import save_file
-from fewclip.utils.io import atomic_write
 from fewclip.adapter.state_export import summary as state_summary
-from safetensors.torch import load_file
+from fewclip.adapters._text import TextTower
+from fewclip.backbones.attention import parse_layers, split_attention, text_tower_parts, vision_tower_parts
 from fewclip.backbones.backbone import BackboneError, load_state_dict_strict
-from fewclip.features.encode import text_prototypes
 from fewclip.data.base import check_classnames
+from fewclip.features.encode import text_prototypes
+from fewclip.utils.io import atomic_write
 from fewclip.utils.tensor_checks import check_digests, check_tensors, tensor_digests
 
 DEFAULT_TEMPLATE = "a photo of a {}."
@@ -77,7 +76,7 @@ TARGETS = ("q", "k", "v", "o", "mlp")
 TOWERS = ("text", "vision", "both")
 
 
-def target_list(targets: str) -> List[str]:
+def target_list(targets: str) -> list[str]:
     """``"q,k, v"`` -> ``["q", "k", "v"]``."""
     return [t.strip() for t in targets.split(",") if t.strip()]
 
@@ -103,12 +102,12 @@ TARGET_MODULES = {"q": ("attn.q_proj",), "k": ("attn.k_proj",), "v": ("attn.v_pr
                   "mlp": ("mlp.c_fc", "mlp.c_proj")}
 
 
-def target_linears(model: nn.Module, towers: str, layers: str, targets: Sequence[str], method: str) -> List[str]:
+def target_linears(model: nn.Module, towers: str, layers: str, targets: Sequence[str], method: str) -> list[str]:
     """Split the targeted blocks' attention (in place: give it a copy) and list the full names of the Linears a
     method adapts: in each tower of ``towers`` (text, vision or both), the blocks ``layers`` names, the modules
     of each target (``TARGET_MODULES``). A tower that is not an open_clip transformer, a layer that does not
     exist or a target that is not an nn.Linear is an AdapterError naming ``method`` and the fix."""
-    names: List[str] = []
+    names: list[str] = []
     for tower in (["text", "vision"] if towers == "both" else [towers]):
         try:
             prefix, blocks = tower_blocks(model, tower)
@@ -207,7 +206,7 @@ class TowerWeightsAdapter(TowerPrototypes, Adapter):
         """Raw text features [C*T, D] of every class prompt through the (changed) text tower."""
         return self.tower.forward(self.tower.embed(self.tokens), self.tokens)
 
-    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> "TowerWeightsAdapter":
+    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> TowerWeightsAdapter:
         """The changed towers with the prototypes of other class names and templates (a new adapter of this
         class on its own copy of the module tree, holding these tensors)."""
         if list(classnames) == self.classnames and (list(templates) or [DEFAULT_TEMPLATE]) == self.templates:
@@ -217,15 +216,15 @@ class TowerWeightsAdapter(TowerPrototypes, Adapter):
     def trainable_parameter_count(self) -> int:
         return sum(p.numel() for p in self.trainable_parameters())
 
-    def load_adapter_state_dict(self, sd: Dict[str, torch.Tensor]) -> None:
+    def load_adapter_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         super().load_adapter_state_dict(sd)
         self._fixed_protos = None
 
-    def merged_state_dict(self) -> Dict[str, torch.Tensor]:
+    def merged_state_dict(self) -> dict[str, torch.Tensor]:
         """The backbone's open_clip state dict with this method folded into the weights (same keys)."""
         raise NotImplementedError
 
-    def _check_merged(self, sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    def _check_merged(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         own = self.backbone.model.state_dict()
         if sorted(sd) != sorted(own):
             raise RuntimeError(f"merged {self.name} state dict does not have the backbone's keys")
@@ -249,7 +248,7 @@ def merged_path(path: Union[str, Path]) -> Path:
     return path.with_name(path.name[: -len(".safetensors")] + ".merged.safetensors")
 
 
-def write_tower(adapter, path: Union[str, Path], meta: Dict[str, Any], *, merge: bool = False) -> Dict[str, Any]:
+def write_tower(adapter, path: Union[str, Path], meta: dict[str, Any], *, merge: bool = False) -> dict[str, Any]:
     """The generic ``fewclip.adapter`` file at ``path``; with ``merge`` also the merged open_clip state dict
     beside it (``merged_path``). Returns the adapter file's metadata."""
 
@@ -264,7 +263,7 @@ def write_tower(adapter, path: Union[str, Path], meta: Dict[str, Any], *, merge:
     return written
 
 
-def summary(path: Union[str, Path], meta: Dict[str, Any]) -> str:
+def summary(path: Union[str, Path], meta: dict[str, Any]) -> str:
 
     text = state_summary(path, meta)
     if merged_path(path).exists():
@@ -276,7 +275,7 @@ class MergedClassifier(PrototypeClassifier):
     """Images -> logits on a backbone whose weights hold the method: zero-shot prototypes of the run's
     templates through the merged towers; ``with_classnames`` builds them for any other names."""
 
-    def __init__(self, backbone, meta: Dict[str, Any], path: Optional[Path] = None,
+    def __init__(self, backbone, meta: dict[str, Any], path: Optional[Path] = None,
                  classnames: Optional[Sequence[str]] = None):
 
         names = list(classnames if classnames is not None else meta["classnames"])
@@ -287,13 +286,13 @@ class MergedClassifier(PrototypeClassifier):
         return (f"MergedClassifier({self.meta['adapter']['name']}, {len(self.classnames)} classes, "
                 f"{self.backbone.name} [{self.geometry.name}])")
 
-    def with_classnames(self, classnames: Sequence[str]) -> "MergedClassifier":
+    def with_classnames(self, classnames: Sequence[str]) -> MergedClassifier:
 
         return type(self)(self.backbone, self.meta, self.path, check_classnames(classnames, "with_classnames", warn=True))
 
 
 @torch.no_grad()
-def load_tower(path: Path, meta: Dict[str, Any], backbone):
+def load_tower(path: Path, meta: dict[str, Any], backbone):
     """A merged file as a ``MergedClassifier`` on a copy of ``backbone`` (which is not changed)."""
 
     if not meta.get("merged"):

@@ -32,20 +32,20 @@ logits are the zero-shot logits in every geometry.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fewclip.training.engine import CachedFeatures, FeatureSource, train_loop
-from fewclip.features.encode import Features
-
-from fewclip.adapters._cache import text_classifier
-from fewclip.adapter.state_export import STATE
 from fewclip.adapter.base import Adapter, AdapterConfig, register_adapter
+from fewclip.adapter.state_export import STATE
+from fewclip.adapters._cache import text_classifier
 from fewclip.config.presets import Preset, Setting, register_presets
+from fewclip.features.encode import Features
+from fewclip.training.engine import CachedFeatures, FeatureSource, train_loop
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class Clap(Adapter):
             return self.weight.new_zeros(())
         return (self.multipliers * (self.weight - self.base).pow(2).sum(-1)).mean()
 
-    def training_loss(self, features: Tensor, labels: Tensor) -> Dict[str, Tensor]:
+    def training_loss(self, features: Tensor, labels: Tensor) -> dict[str, Tensor]:
         ce = F.cross_entropy(self(features).float(), labels)
         penalty = self.penalty()
         return {"loss": ce + penalty, "ce": ce, "penalty": penalty}
@@ -145,7 +145,7 @@ class Clap(Adapter):
         zs = g.image_logits(features.to(self.base.device), g.embed_text(self.base))
         self.multipliers = class_multipliers(zs.float(), labels.to(zs.device), len(self.classnames))
 
-    def fit(self, data) -> Dict:
+    def fit(self, data) -> dict:
         """lambda from every view's zero-shot logits, then the engine's loop from the zero-shot weights."""
         views = data.views[: self.cfg.views]
         with torch.no_grad():

@@ -30,16 +30,17 @@ the trained MLP (base-to-novel, cross-dataset).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fewclip.adapters._cache import text_classifier
-from fewclip.adapter.state_export import STATE
 from fewclip.adapter.base import Adapter, AdapterConfig, default_generator, register_adapter
+from fewclip.adapter.state_export import STATE
+from fewclip.adapters._cache import text_classifier
 from fewclip.config.presets import Preset, Setting, register_presets
 
 
@@ -94,7 +95,7 @@ class ClipAdapter(Adapter):
         B, D = features.shape
         return self.backbone.geometry.logits(self.adapted(features), self.prototypes)  # [B, C]
 
-    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> "ClipAdapter":
+    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> ClipAdapter:
         if list(classnames) == self.classnames and list(templates) == self.templates:
             return self
         other = ClipAdapter(self.cfg, self.backbone, classnames, templates)

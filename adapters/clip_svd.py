@@ -22,20 +22,29 @@ state dict (``fewclip export RUN merge=true``, ``_towers.TOWER``).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fewclip.backbones.attention import pack_split_state
-
-from fewclip.adapters._towers import (TARGETS, TOWER, TOWERS, TowerWeightsAdapter, check_tower_targets, replace_module,  # noqa: F401
-                      shared_copy, target_linears, target_list, tower_blocks)
 from fewclip.adapter.base import AdapterConfig, register_adapter
+from fewclip.adapters._towers import (  # noqa: F401
+    TARGETS,
+    TOWER,
+    TOWERS,
+    TowerWeightsAdapter,
+    check_tower_targets,
+    replace_module,
+    shared_copy,
+    target_linears,
+    target_list,
+    tower_blocks,
+)
+from fewclip.backbones.attention import pack_split_state
 from fewclip.config.presets import Preset, Setting, register_presets
-
 
 
 @dataclass
@@ -53,7 +62,7 @@ class ClipSVDConfig(AdapterConfig):
         check_tower_targets(self.targets, self.towers, self.layers)
 
     @property
-    def target_list(self) -> List[str]:
+    def target_list(self) -> list[str]:
         return target_list(self.targets)
 
 
@@ -94,7 +103,7 @@ class SVDLinear(nn.Module):
         return F.linear(F.linear(x, Vh) * s, U, bias)
 
 
-def svd_target_modules(model: nn.Module, cfg: ClipSVDConfig) -> List[str]:
+def svd_target_modules(model: nn.Module, cfg: ClipSVDConfig) -> list[str]:
     """Split the targeted blocks' attention (in place, on a copy) and list the full names of the Linears whose
     singular values are learned."""
     return target_linears(model, cfg.towers, cfg.layers, cfg.target_list, "CLIP-SVD")
@@ -122,7 +131,7 @@ class ClipSVD(TowerWeightsAdapter):
     def will_train_image_tower(cls, cfg: ClipSVDConfig) -> bool:
         return cfg.towers in ("vision", "both")
 
-    def merged_state_dict(self) -> Dict[str, torch.Tensor]:
+    def merged_state_dict(self) -> dict[str, torch.Tensor]:
         """The backbone's open_clip state dict with ``U diag(s) Vh`` as the adapted weights (same keys)."""
         sd = {k: v for k, v in self.model.state_dict().items()}
         with torch.no_grad():

@@ -27,18 +27,19 @@ prompts at the full context length; all three give the same logits.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
+from fewclip.adapter.base import AdapterError, default_generator, register_adapter
+from fewclip.adapter.state_export import STATE
 from fewclip.adapters._family import default_linear, learned_for_classnames, text_output_dim
 from fewclip.adapters._prompts import packed_suffix_rows
-from fewclip.adapter.state_export import STATE
-from fewclip.adapter.base import AdapterError, default_generator, register_adapter
-from fewclip.config.presets import Preset, register_presets
 from fewclip.adapters.coop import CoOp, CoOpConfig
+from fewclip.config.presets import Preset, register_presets
 
 META_INITS = ("default", "zero")
 # Tokens of the packed class suffixes per row in the shared path (rows of a few hundred tokens keep the
@@ -117,7 +118,7 @@ class CoCoOp(CoOp):
         self.register_buffer("_rows_pool", pool.to(device), persistent=False)
         self.register_buffer("_rows_slot", slot, persistent=False)
 
-    def set_row_tokens(self, n: int) -> "CoCoOp":
+    def set_row_tokens(self, n: int) -> CoCoOp:
         """Row length of the shared path's packing (speed only: every length gives the same logits)."""
         self.row_tokens = int(n)
         if self.tower.can_share_prefix and self.shared_len >= 2:
@@ -186,7 +187,7 @@ class CoCoOp(CoOp):
             out.extend(g.logits(img[i + j : i + j + 1], points[j]) for j in range(b))
         return torch.cat(out) if out else img.new_zeros(0, len(self.classnames))
 
-    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> "CoCoOp":
+    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> CoCoOp:
         return learned_for_classnames(self, classnames, templates)
 
 

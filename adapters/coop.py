@@ -26,17 +26,18 @@ names (non-persistent buffers); the only saved tensor is ``ctx``.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
+from fewclip.adapter.base import Adapter, AdapterConfig, AdapterError, default_generator, register_adapter
 from fewclip.adapters._prompts import POSITIONS, packed_suffixes, shared_prefix_length
 from fewclip.adapters._text import TextTower, class_prompts, pad_sequences
-from fewclip.adapter.base import Adapter, AdapterConfig, AdapterError, default_generator, register_adapter
-from fewclip.config.presets import Preset, register_presets
 from fewclip.adapters.coop_export import PROMPTS
+from fewclip.config.presets import Preset, register_presets
 
 
 @dataclass
@@ -182,7 +183,7 @@ class CoOp(Adapter):
         index = self.ctx_pos.unsqueeze(-1).expand(-1, -1, ctx.shape[-1])
         return self.fixed_embeddings.scatter(1, index, ctx.to(self.fixed_embeddings.dtype))
 
-    def set_text_mode(self, mode: str) -> "CoOp":
+    def set_text_mode(self, mode: str) -> CoOp:
         """Choose how the text tower runs: "shared", "truncate" or "faithful" (all give the same logits)."""
         if mode not in ("shared", "truncate", "faithful"):
             raise ValueError(f"text mode must be shared, truncate or faithful, got {mode!r}")
@@ -215,7 +216,7 @@ class CoOp(Adapter):
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.backbone.geometry.image_logits(features, self.prototypes())
 
-    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str] = ()) -> "CoOp":
+    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str] = ()) -> CoOp:
         """The learned unified context around other class names (the templates are not used: the context
         replaces them). A class-specific context (``csc``) has no context for a class it was not trained on:
         an ``AdapterError``."""
@@ -228,7 +229,7 @@ class CoOp(Adapter):
         return self.rebuilt_for(classnames, templates)
 
     @torch.no_grad()
-    def nearest_words(self, k: int = 3) -> List[List[List[str]]]:
+    def nearest_words(self, k: int = 3) -> list[list[list[str]]]:
         """CoOp's interpretation: the k vocabulary tokens nearest (Euclidean) to each context vector,
         special tokens excluded.
 

@@ -55,20 +55,19 @@ holds each formula as a small tensor function.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Union
 
 import torch
-
-from fewclip.adapter.exports import METADATA_KEY, ExportError, PrototypeClassifier, check_metadata, read_metadata
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from fewclip.adapter.base import ExportFormat, adapter_info
-from safetensors.torch import save_file
-from fewclip.utils.io import atomic_write
-from fewclip.adapter.exports import export_metadata
-from safetensors import safe_open
+from fewclip.adapter.exports import METADATA_KEY, ExportError, PrototypeClassifier, check_metadata, export_metadata, read_metadata
 from fewclip.adapters._text import TextTower
 from fewclip.data.base import check_classnames
+from fewclip.utils.io import atomic_write
 from fewclip.utils.tensor_checks import check_digests, check_tensors, tensor_digests, tensor_problem
 
 FORMAT = "fewclip.prompts"
@@ -82,7 +81,7 @@ TENSORS = ("ctx", "prototypes", "text_features")
 
 
 @torch.no_grad()
-def prompt_tensors(adapter) -> Dict[str, torch.Tensor]:
+def prompt_tensors(adapter) -> dict[str, torch.Tensor]:
     """The tensors of a prompt file for a CoOp adapter: ctx, prototypes [C, D], text_features [C, D]."""
     return {
         "ctx": adapter.ctx.detach().float().cpu().contiguous(),
@@ -91,7 +90,7 @@ def prompt_tensors(adapter) -> Dict[str, torch.Tensor]:
     }
 
 
-def write_prompts(adapter, path: Union[str, Path], meta: Dict[str, Any], *, nearest: int = 3) -> Dict[str, Any]:
+def write_prompts(adapter, path: Union[str, Path], meta: dict[str, Any], *, nearest: int = 3) -> dict[str, Any]:
     """Write a CoOp adapter's prompts to ``path`` (atomically); ``meta`` is the metadata every export carries,
     to which the prompt layout and the ``nearest`` vocabulary tokens of each context vector are added."""
 
@@ -114,15 +113,15 @@ def write_prompts(adapter, path: Union[str, Path], meta: Dict[str, Any], *, near
     return meta
 
 
-def export_prompts(adapter, path: Union[str, Path], *, backbone_cfg=None, run: Optional[Dict[str, Any]] = None,
-                   nearest: int = 3) -> Dict[str, Any]:
+def export_prompts(adapter, path: Union[str, Path], *, backbone_cfg=None, run: Optional[dict[str, Any]] = None,
+                   nearest: int = 3) -> dict[str, Any]:
     """Write a CoOp adapter (not from a run directory) to ``path``; returns the metadata written."""
 
     return write_prompts(adapter, path, export_metadata(adapter, PROMPTS, backbone_cfg=backbone_cfg, run=run),
                          nearest=nearest)
 
 
-def summary(path: Union[str, Path], meta: Dict[str, Any]) -> str:
+def summary(path: Union[str, Path], meta: dict[str, Any]) -> str:
     """A readable account of a prompt file: classes, context and the nearest words of each vector."""
     p, bb, run = meta["prompt"], meta["backbone"], meta.get("run") or {}
     names = meta["classnames"]
@@ -153,7 +152,7 @@ def summary(path: Union[str, Path], meta: Dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------
 
 
-def read_prompts(path: Union[str, Path]) -> Tuple[Dict[str, torch.Tensor], Dict[str, Any]]:
+def read_prompts(path: Union[str, Path]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Read and validate a prompt file: (tensors on CPU, metadata). Any problem is an ExportError naming it."""
     path = Path(path)
     meta = read_metadata(path)
@@ -166,12 +165,12 @@ def read_prompts(path: Union[str, Path]) -> Tuple[Dict[str, torch.Tensor], Dict[
     return tensors, meta
 
 
-def _check_digests(path: Path, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> None:
+def _check_digests(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
     """The tensors against the checksums written with them (after the checks that say more: shapes, widths)."""
     check_digests(tensors, meta.get("tensors_sha256"), f"prompt file {path}", ExportError, "; export the run again")
 
 
-def _read_tensors(path: Path, meta: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+def _read_tensors(path: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
 
     if not isinstance(meta.get("prompt"), dict):
         raise ExportError(f"prompt file {path}: metadata key 'prompt' is missing or not a dict")
@@ -187,7 +186,7 @@ def _read_tensors(path: Path, meta: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     return tensors
 
 
-def _check_tensors(path: Path, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> None:
+def _check_tensors(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
     missing = [k for k in TENSORS if k not in tensors]
     if missing:
         raise ExportError(f"prompt file {path} lacks the tensor(s) {missing}; expected {list(TENSORS)}")
@@ -212,7 +211,7 @@ class PromptClassifier(PrototypeClassifier):
     """Images -> class logits with exported CoOp prompts on a frozen backbone: ``prototypes`` [C, D], with the
     learned ``ctx`` and the prompts' ``text_features`` [C, D] kept for ``with_classnames``."""
 
-    def __init__(self, backbone, tensors: Dict[str, torch.Tensor], meta: Dict[str, Any], path: Optional[Path] = None):
+    def __init__(self, backbone, tensors: dict[str, torch.Tensor], meta: dict[str, Any], path: Optional[Path] = None):
         super().__init__(backbone, meta, tensors["prototypes"], path)
         device = backbone.device
         self.ctx = tensors["ctx"].to(device)
@@ -223,7 +222,7 @@ class PromptClassifier(PrototypeClassifier):
         return (f"PromptClassifier({len(self.classnames)} classes, {self.backbone.name} [{self.geometry.name}], "
                 f"n_ctx={p['n_ctx']}, {'csc' if p['csc'] else 'unified'})")
 
-    def with_classnames(self, classnames: Sequence[str]) -> "PromptClassifier":
+    def with_classnames(self, classnames: Sequence[str]) -> PromptClassifier:
         """A classifier for other class names with the learned context.
 
         A unified context is put in front of (or around) each new name, as in
@@ -243,10 +242,10 @@ class PromptClassifier(PrototypeClassifier):
                     f"unified-context run (adapter.csc=false) to use the prompts with new class names")
             # The k-th time a name is asked for, the k-th trained class of that name (names may repeat, as
             # ImageNet's 'missile'): the trained list itself maps to itself, row for row.
-            where: Dict[str, List[int]] = {}
+            where: dict[str, list[int]] = {}
             for y, n in enumerate(self.classnames):
                 where.setdefault(n, []).append(y)
-            used: Dict[str, int] = {}
+            used: dict[str, int] = {}
             rows = []
             for n in names:
                 k = used[n] = used.get(n, -1) + 1
@@ -265,7 +264,7 @@ class PromptClassifier(PrototypeClassifier):
         return PromptClassifier(self.backbone, tensors, {**self.meta, "classnames": names}, self.path)
 
     @torch.no_grad()
-    def _prompt_features(self, names: List[str]) -> Dict[str, torch.Tensor]:
+    def _prompt_features(self, names: list[str]) -> dict[str, torch.Tensor]:
         info = adapter_info("coop")  # the registry, not an import: coop.py imports this module for its format
         CoOp, CoOpConfig = info.adapter_cls, info.config_cls
         p = self.meta["prompt"]
@@ -281,7 +280,7 @@ class PromptClassifier(PrototypeClassifier):
         return {"text_features": feats, "prototypes": g.prototype(g.embed_text(feats).unsqueeze(1))}
 
 
-def load(path: Path, meta: Dict[str, Any], backbone) -> PromptClassifier:
+def load(path: Path, meta: dict[str, Any], backbone) -> PromptClassifier:
     """The loader ``fewclip.load_prompts`` calls for a prompt file (metadata and backbone already checked)."""
     tensors = _read_tensors(path, meta)
     check_widths(tensors, backbone, path)
@@ -290,7 +289,7 @@ def load(path: Path, meta: Dict[str, Any], backbone) -> PromptClassifier:
 
 
 @torch.no_grad()
-def check_widths(tensors: Dict[str, torch.Tensor], backbone, path) -> None:
+def check_widths(tensors: dict[str, torch.Tensor], backbone, path) -> None:
     """Refuse tensors whose widths do not fit the backbone: ``ctx`` [..., W] against its token embeddings,
     ``prototypes`` [C, D] against its embedded text features."""
 

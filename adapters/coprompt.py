@@ -39,19 +39,20 @@ import functools
 import gzip
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fewclip.adapters._family import text_output_dim
-from fewclip.adapter.state_export import STATE
 from fewclip.adapter.base import AdapterError, default_generator, register_adapter
-from fewclip.config.presets import Preset, register_presets
+from fewclip.adapter.state_export import STATE
+from fewclip.adapters._family import text_output_dim
 from fewclip.adapters.maple import MaPLe, MaPLeConfig
+from fewclip.config.presets import Preset, register_presets
 
 log = logging.getLogger(__name__)
 
@@ -90,18 +91,18 @@ def _key(name: str) -> str:
 
 
 @functools.lru_cache(maxsize=1)
-def shipped_descriptions() -> Dict[str, List[str]]:
+def shipped_descriptions() -> dict[str, list[str]]:
     """The authors' published descriptions of every shipped dataset, by normalised class name."""
     with gzip.open(SHIPPED, "rt", encoding="utf-8") as f:
         data = json.load(f)
-    out: Dict[str, List[str]] = {}
+    out: dict[str, list[str]] = {}
     for per_class in data["datasets"].values():
         for name, texts in per_class.items():
             out.setdefault(_key(name), list(texts))
     return out
 
 
-def read_descriptions(path: str) -> Dict[str, List[str]]:
+def read_descriptions(path: str) -> dict[str, list[str]]:
     """A user's descriptions file: a JSON object mapping class names to lists of sentences."""
     p = Path(path).expanduser()
     if not p.is_file():
@@ -119,7 +120,7 @@ def read_descriptions(path: str) -> Dict[str, List[str]]:
     return {_key(k): list(v) for k, v in data.items()}
 
 
-def class_descriptions(cfg: CoPromptConfig, classnames: Sequence[str], templates: Sequence[str]) -> List[List[str]]:
+def class_descriptions(cfg: CoPromptConfig, classnames: Sequence[str], templates: Sequence[str]) -> list[list[str]]:
     """The sentences of each class for the text teacher (module docstring), with a log line on the fallback."""
     fallback = [[t.format(c) for t in templates] for c in classnames]
     if cfg.descriptions == "templates":
@@ -205,7 +206,7 @@ class CoPrompt(MaPLe):
         return self._teacher
 
     def training_loss(self, features: torch.Tensor, labels: torch.Tensor, frozen: Optional[torch.Tensor] = None,
-                      description: Optional[int] = None) -> Dict[str, torch.Tensor]:
+                      description: Optional[int] = None) -> dict[str, torch.Tensor]:
         """Loss terms of a batch: prompted raw image features [B, D], labels, the frozen image tower's features
         [B, D] of the same pixels (the engine passes them) and, optionally, which description k to distil
         towards (None: drawn at random, as theirs)."""

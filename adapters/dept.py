@@ -35,19 +35,20 @@ schedule steps once per epoch; fewclip's engine steps per iteration.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fewclip.adapters._family import default_linear, text_output_dim
-from fewclip.adapter.state_export import STATE
 from fewclip.adapter.base import Adapter, AdapterConfig, AdapterError, default_generator, register_adapter
-from fewclip.config.presets import Preset, Setting, register_presets
+from fewclip.adapter.state_export import STATE
+from fewclip.adapters._family import default_linear, text_output_dim
 from fewclip.adapters.coop import CoOp, CoOpConfig
 from fewclip.adapters.maple import MaPLe, MaPLeConfig
+from fewclip.config.presets import Preset, Setting, register_presets
 
 LEARNERS = ("coop", "maple")
 
@@ -165,7 +166,7 @@ class DePT(Adapter):
         w = self.cfg.head_weight
         return (1 - w) * sim + w * head
 
-    def training_loss(self, features: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def training_loss(self, features: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         if not self.has_head:
             raise AdapterError("this DePT adapter scores new classes with its prompts only and has no head to "
                                "train; train on the base classes")
@@ -178,7 +179,7 @@ class DePT(Adapter):
         return {"loss": (1 - w) * ce + w * ce_head, "ce": ce.detach(), "ce_head": ce_head.detach()}
 
     # -- optimisation ----------------------------------------------------------
-    def param_groups(self) -> List[Dict]:
+    def param_groups(self) -> list[dict]:
         """The prompts at the run's learning rate; the head and the cwT at ``head_lr_scale`` times it."""
         prompts = self.learner.trainable_parameters()
         new = [p for n, p in self.named_parameters() if p.requires_grad and not n.startswith("learner.")]
@@ -188,7 +189,7 @@ class DePT(Adapter):
         return groups
 
     # -- other class names -----------------------------------------------------
-    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> "DePT":
+    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> DePT:
         """Other class names are scored by the learned prompts alone (the head knows the base classes only)."""
         if list(classnames) == self.classnames:
             return self
@@ -196,7 +197,7 @@ class DePT(Adapter):
         other.learner.load_adapter_state_dict(self.learner.adapter_state_dict())
         return other.to(self.backbone.device).eval()
 
-    def for_target(self, classnames: Sequence[str], templates: Sequence[str], class_map=None) -> "DePT":
+    def for_target(self, classnames: Sequence[str], templates: Sequence[str], class_map=None) -> DePT:
         """A target holding every trained class in label order (a domain-shift target: ImageNet-V2, -Sketch)
         gets the head, as the authors' ``'ImageNet' in DATASET.NAME`` rule gives it (Koorye/DePT@d4ff416
         trainers/elp_coop.py:38-39); any other target the learned prompts alone, even one whose class names are

@@ -29,17 +29,18 @@ Where fewclip differs, and why:
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor
 
-from fewclip.adapters._cache import TIE_BREAKS, choose, scored, text_classifier
-from fewclip.adapter.state_export import STATE
 from fewclip.adapter.base import Adapter, AdapterConfig, register_adapter
-from fewclip.config.presets import Preset, Setting, register_presets
+from fewclip.adapter.state_export import STATE
+from fewclip.adapters._cache import TIE_BREAKS, choose, scored, text_classifier
 from fewclip.adapters.linear_probe import probe_features
+from fewclip.config.presets import Preset, Setting, register_presets
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ class GDAConfig(AdapterConfig):
     name: str = field(default="gda", metadata={"help": "The method (`fewclip adapters` lists them)."})
     views: int = field(default=10, metadata={"help": "augmented views of each training image in the class "
                                                      "means and covariance (the authors' augment_epoch)"})
-    alphas: List[float] = field(default_factory=lambda: [1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0],
+    alphas: list[float] = field(default_factory=lambda: [1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0, 100.0],
                                 metadata={"help": "blend weights searched on validation (the authors' list)"})
     init_alpha: float = field(default=0.1, metadata={"help": "alpha without a search or validation images "
                                                              "(the authors' starting best_alpha)"})
@@ -113,7 +114,7 @@ class GDA(Adapter):
         return self.cfg.views
 
     @torch.no_grad()
-    def fit(self, data) -> Dict:
+    def fit(self, data) -> dict:
         """Class means and the shared covariance from every view, then alpha searched on validation."""
         cfg: GDAConfig = self.cfg
         views = data.views[: cfg.views] if cfg.views else [data.train]
@@ -130,7 +131,7 @@ class GDA(Adapter):
         return self.search(data.val)
 
     @torch.no_grad()
-    def search(self, val) -> Dict:
+    def search(self, val) -> dict:
         """alpha: the candidate with the best validation accuracy (ties: ``tie_break``)."""
         cfg: GDAConfig = self.cfg
         vx, vy = val

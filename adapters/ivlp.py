@@ -23,15 +23,16 @@ prompts the image tower only (VPT-deep on CLIP): the text features are computed 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from fewclip.adapters._deep import DeepPromptAdapter, normal, vision_transformer
-from fewclip.adapter.state_export import STATE
 from fewclip.adapter.base import AdapterConfig, AdapterError, default_generator, register_adapter
+from fewclip.adapter.state_export import STATE
+from fewclip.adapters._deep import DeepPromptAdapter, normal, vision_transformer
 from fewclip.config.presets import Preset, Setting, register_presets
 
 

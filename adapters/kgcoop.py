@@ -18,16 +18,17 @@ With ``adapter.weight=0`` KgCoOp is CoOp (same prompts, same loss, same gradient
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence
+from typing import Optional
 
 import torch
 
-from fewclip.adapters._family import learned_for_classnames, loss_near_teacher, zero_shot_points
-from fewclip.adapter.state_export import STATE
 from fewclip.adapter.base import register_adapter
-from fewclip.config.presets import Preset, register_presets
+from fewclip.adapter.state_export import STATE
+from fewclip.adapters._family import learned_for_classnames, loss_near_teacher, zero_shot_points
 from fewclip.adapters.coop import CoOp, CoOpConfig
+from fewclip.config.presets import Preset, register_presets
 
 
 @dataclass
@@ -57,10 +58,10 @@ class KgCoOp(CoOp):
         self.register_buffer("teacher", zero_shot_points(backbone, self.classnames, self.templates, self.name),
                              persistent=False)  # [C, D] geometry points
 
-    def training_loss(self, features: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def training_loss(self, features: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         return loss_near_teacher(self, features, labels, self.cfg.weight)
 
-    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> "KgCoOp":
+    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> KgCoOp:
         return learned_for_classnames(self, classnames, templates)
 
 

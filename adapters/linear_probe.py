@@ -73,19 +73,19 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fewclip.features.encode import progress
-from fewclip.backbones.geometry import Geometry
-
-from fewclip.adapter.state_export import STATE
 from fewclip.adapter.base import Adapter, AdapterConfig, register_adapter
+from fewclip.adapter.state_export import STATE
+from fewclip.backbones.geometry import Geometry
 from fewclip.config.presets import Preset, Setting, register_presets
+from fewclip.features.encode import progress
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ def logistic_objective(W: Tensor, b: Tensor, x: Tensor, y: Tensor, c: float) -> 
 
 def fit_logistic(
     x: Tensor, y: Tensor, n_classes: int, c: float, *, max_iter: int = 1000, tol: float = 1e-6
-) -> Tuple[Tensor, Tensor, int]:
+) -> tuple[Tensor, Tensor, int]:
     """Minimise ``logistic_objective`` with full-batch L-BFGS from zero.
 
     ``x`` [N, D] and ``y`` [N] as given (pass float64 for a tight optimum).
@@ -151,7 +151,7 @@ def fit_logistic(
 
 def search_log_grid(
     score: Callable[[float], float], c_min: float, c_max: float, grid_points: int, refine_steps: int
-) -> Tuple[float, List[Tuple[float, float]]]:
+) -> tuple[float, list[tuple[float, float]]]:
     """Maximise ``score(C)`` over ``[c_min, c_max]``: a log grid, then binary refinement.
 
     Grid: ``grid_points`` values evenly spaced in log C (just ``c_min`` when
@@ -166,8 +166,8 @@ def search_log_grid(
     else:
         step = (hi - lo) / (grid_points - 1)
         logs = [lo + i * step for i in range(grid_points)]
-    tried: Dict[float, float] = {}
-    history: List[Tuple[float, float]] = []
+    tried: dict[float, float] = {}
+    history: list[tuple[float, float]] = []
 
     def value(lc: float) -> float:
         key = round(lc, 9)
@@ -266,7 +266,7 @@ class LinearProbe(Adapter):
             return F.linear(x, self.weight, self.bias)  # [B, K]
 
     @torch.no_grad()
-    def fit(self, data) -> Dict:
+    def fit(self, data) -> dict:
         """Search C on validation, keep (or refit) the classifier at the best C; returns what was chosen."""
         cfg: LinearProbeConfig = self.cfg
         K, D = self.weight.shape
@@ -283,7 +283,7 @@ class LinearProbe(Adapter):
         xt = probe_features(g, train_x.to(dev)).double()
         xv = probe_features(g, val_x.to(dev)).double()
         yt, yv = train_y.to(dev), val_y.to(dev)
-        fits: Dict[float, Tuple[Tensor, Tensor, int]] = {}
+        fits: dict[float, tuple[Tensor, Tensor, int]] = {}
 
         def val_acc(c: float) -> float:
             fits[c] = fit_logistic(xt, yt, K, c, max_iter=cfg.max_iter, tol=cfg.tol)

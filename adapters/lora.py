@@ -38,21 +38,29 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from fewclip.backbones.attention import pack_split_state
-from fewclip.utils.rng import forked_global_rng
-
-from fewclip.adapters._text import TextTower
-from fewclip.adapters._towers import (TARGETS, TOWERS, TowerPrototypes, check_tower_targets, shared_copy,  # noqa: F401
-                      target_linears, target_list, tower_blocks)
 from fewclip.adapter.base import Adapter, AdapterConfig, default_generator, register_adapter
-from fewclip.config.presets import Preset, register_presets
+from fewclip.adapters._text import TextTower
+from fewclip.adapters._towers import (  # noqa: F401
+    TARGETS,
+    TOWERS,
+    TowerPrototypes,
+    check_tower_targets,
+    shared_copy,
+    target_linears,
+    target_list,
+    tower_blocks,
+)
 from fewclip.adapters.lora_export import LORA
+from fewclip.backbones.attention import pack_split_state
+from fewclip.config.presets import Preset, register_presets
+from fewclip.utils.rng import forked_global_rng
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +97,11 @@ class LoRAConfig(AdapterConfig):
         check_tower_targets(self.targets, self.towers, self.layers)
 
     @property
-    def target_list(self) -> List[str]:
+    def target_list(self) -> list[str]:
         return target_list(self.targets)
 
 
-def lora_target_modules(model: nn.Module, cfg: LoRAConfig) -> List[str]:
+def lora_target_modules(model: nn.Module, cfg: LoRAConfig) -> list[str]:
     """Split the targeted blocks' attention (in place, on a copy) and list the full names of the Linears
     peft should adapt."""
     return target_linears(model, cfg.towers, cfg.layers, cfg.target_list, "LoRA")
@@ -167,7 +175,7 @@ class LoRA(TowerPrototypes, Adapter):
         x = self.tower.embed(tokens)
         return self.tower.forward(x, tokens)
 
-    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> "LoRA":
+    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> LoRA:
         """The adapted towers with the prototypes of other class names and templates: a new LoRA adapter on its
         own copy of the module tree, holding these LoRA weights (image features encoded by this adapter's image
         tower go with it unchanged)."""
@@ -179,14 +187,14 @@ class LoRA(TowerPrototypes, Adapter):
     def trainable_parameter_count(self) -> int:
         return sum(p.numel() for p in self.lora.parameters())
 
-    def peft_state_dict(self) -> Dict[str, torch.Tensor]:
+    def peft_state_dict(self) -> dict[str, torch.Tensor]:
         """The LoRA tensors under peft's own names (as in ``adapter_model.safetensors``)."""
         get_peft_model_state_dict = _peft().get_peft_model_state_dict
 
         sd = get_peft_model_state_dict(self.peft_model, adapter_name=ADAPTER_NAME)
         return {k: v.detach().cpu().contiguous() for k, v in sd.items()}
 
-    def load_peft_state_dict(self, sd: Dict[str, torch.Tensor]) -> None:
+    def load_peft_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         set_peft_model_state_dict = _peft().set_peft_model_state_dict
 
         result = set_peft_model_state_dict(self.peft_model, sd, adapter_name=ADAPTER_NAME)
@@ -200,7 +208,7 @@ class LoRA(TowerPrototypes, Adapter):
         """peft's own format: ``adapter_model.safetensors`` and ``adapter_config.json``."""
         self.peft_model.save_pretrained(str(folder), selected_adapters=[ADAPTER_NAME])
 
-    def merged_state_dict(self) -> Dict[str, torch.Tensor]:
+    def merged_state_dict(self) -> dict[str, torch.Tensor]:
         """The backbone's open_clip state dict with the LoRA updates folded in (same keys as the original)."""
         get_peft_model, set_peft_model_state_dict = _peft().get_peft_model, _peft().set_peft_model_state_dict
 
@@ -216,7 +224,7 @@ class LoRA(TowerPrototypes, Adapter):
             raise RuntimeError("merged LoRA state dict does not have the backbone's keys")
         return {k: sd[k].to(own[k].dtype).contiguous() for k in own}
 
-    def load_adapter_state_dict(self, sd: Dict[str, torch.Tensor]) -> None:
+    def load_adapter_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         super().load_adapter_state_dict(sd)
         self._fixed_protos = None
 

@@ -36,24 +36,22 @@ loading refuses a tensor whose bytes changed since the export.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
-from pathlib import Path
-from typing import Any, Dict, Union
-
-import torch
-
-from fewclip.adapter.exports import METADATA_KEY, META_FILE, ExportError
-
-from fewclip.adapter.base import ExportFormat, adapter_info
 import tempfile
 from dataclasses import asdict
-from safetensors.torch import save_file
-from fewclip.utils.io import atomic_write, atomic_write_text
-import copy
-from safetensors.torch import load_file
-from fewclip.backbones.backbone import BackboneError, load_state_dict_strict
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from fewclip.adapter.base import ExportFormat, adapter_info
+from fewclip.adapter.exports import META_FILE, METADATA_KEY, ExportError
 from fewclip.adapters._towers import MergedClassifier
+from fewclip.backbones.backbone import BackboneError, load_state_dict_strict
+from fewclip.utils.io import atomic_write, atomic_write_text
 from fewclip.utils.tensor_checks import check_digests, check_tensors, tensor_digests
 
 log = logging.getLogger(__name__)
@@ -65,7 +63,7 @@ PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
 
 
-def export_lora(adapter, out: Union[str, Path], meta: Dict[str, Any], *, merge: bool = False) -> Dict[str, Any]:
+def export_lora(adapter, out: Union[str, Path], meta: dict[str, Any], *, merge: bool = False) -> dict[str, Any]:
     """Write a LoRA adapter to the folder ``out`` (see the module docstring); ``meta`` is the metadata every
     export carries, to which the templates and the LoRA config are added. Returns the metadata written."""
 
@@ -102,7 +100,7 @@ def export_lora(adapter, out: Union[str, Path], meta: Dict[str, Any], *, merge: 
     return meta
 
 
-def summary(path: Union[str, Path], meta: Dict[str, Any]) -> str:
+def summary(path: Union[str, Path], meta: dict[str, Any]) -> str:
     lo, bb, run = meta["lora"], meta["backbone"], meta.get("run") or {}
     checksum = bb.get("weights_sha256") or bb.get("state_sha256") or ""
     lines = [
@@ -137,7 +135,7 @@ class LoRAClassifier(MergedClassifier):
 
 
 @torch.no_grad()
-def load_lora_export(path: Path, meta: Dict[str, Any], backbone) -> LoRAClassifier:
+def load_lora_export(path: Path, meta: dict[str, Any], backbone) -> LoRAClassifier:
     """A LoRA export folder (peft format) or its merged file as a classifier (the loader ``fewclip.load_prompts``
     calls once it has read the metadata and checked ``backbone``): the LoRA updates are merged into the
     weights of a copy of ``backbone``, which is not changed."""

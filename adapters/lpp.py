@@ -47,20 +47,20 @@ Training runs in float64 on the cached features (300 full-batch steps on [N, D]:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fewclip.features.encode import progress
-
-from fewclip.adapters._cache import text_classifier
-from fewclip.adapter.state_export import STATE
 from fewclip.adapter.base import Adapter, AdapterConfig, register_adapter
-from fewclip.config.presets import Preset, Setting, register_presets
+from fewclip.adapter.state_export import STATE
+from fewclip.adapters._cache import text_classifier
 from fewclip.adapters.linear_probe import probe_features
+from fewclip.config.presets import Preset, Setting, register_presets
+from fewclip.features.encode import progress
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ class LPP(Adapter):
     def fit_views(self) -> int:
         return self.cfg.views
 
-    def fit(self, data) -> Dict:
+    def fit(self, data) -> dict:
         """Full-batch LP++ in float64; keeps the epoch with the best validation accuracy."""
         cfg: LPPConfig = self.cfg
         C, D = self.weight.shape
@@ -182,7 +182,7 @@ class LPP(Adapter):
 
     def train_blocks(self, f: Tensor, s: Tensor, y: Tensor, vf: Tensor, vs: Tensor, vy: Tensor, W: Tensor,
                      b: Tensor, alpha: Tensor, on_epoch: Optional[Callable[[int, Tensor, Tensor, Tensor], None]] = None
-                     ) -> Dict:
+                     ) -> dict:
         """LP++'s epochs from (W, b, alpha) on features f [N, D], similarities s [N, C], labels y [N], with
         validation (vf, vs, vy); sets the adapter to the best validation epoch and returns what it did.
         ``on_epoch(epoch, W, b, alpha)``, if given, sees the parameters after every epoch (for diagnostics)."""

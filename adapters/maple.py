@@ -24,15 +24,16 @@ SGD lr 0.0035, 5 epochs, batch 4).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from fewclip.adapters._deep import DeepPromptAdapter, linear_init, normal, vision_transformer
-from fewclip.adapter.state_export import STATE
 from fewclip.adapter.base import AdapterConfig, default_generator, register_adapter
+from fewclip.adapter.state_export import STATE
+from fewclip.adapters._deep import DeepPromptAdapter, linear_init, normal, vision_transformer
 from fewclip.config.presets import Preset, register_presets
 
 

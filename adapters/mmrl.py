@@ -47,19 +47,19 @@ for ViT-B/16's two 12-layer towers).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from fewclip.adapters._deep import (encode_image_deep, encode_text_inserted, linear_init, normal, text_lower_blocks,
-                    vision_transformer)
-from fewclip.adapters._family import text_output_dim, zero_shot_points
-from fewclip.adapter.state_export import STATE
-from fewclip.adapters._text import TextTower, pad_sequences
 from fewclip.adapter.base import Adapter, AdapterConfig, AdapterError, default_generator, register_adapter
+from fewclip.adapter.state_export import STATE
+from fewclip.adapters._deep import encode_image_deep, encode_text_inserted, linear_init, normal, text_lower_blocks, vision_transformer
+from fewclip.adapters._family import text_output_dim, zero_shot_points
+from fewclip.adapters._text import TextTower, pad_sequences
 from fewclip.config.presets import Preset, Setting, register_presets
 
 
@@ -146,7 +146,7 @@ class MMRL(Adapter):
         return True
 
     # -- towers ------------------------------------------------------------------
-    def set_text_mode(self, mode: str) -> "MMRL":
+    def set_text_mode(self, mode: str) -> MMRL:
         """"truncate" (prompts cut to the longest, the lower blocks computed once) or "faithful" (the full context
         length, every block at every step, as the authors' code): the same features."""
         if mode not in ("truncate", "faithful"):
@@ -228,7 +228,7 @@ class MMRL(Adapter):
         return self._teacher
 
     def training_loss(self, features: torch.Tensor, labels: torch.Tensor,
-                      frozen: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+                      frozen: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
         """Loss terms of a batch: [B, 2D] features from ``encode_images``, labels, and the frozen image tower's
         raw features [B, D] of the same pixels (the engine's loop passes them)."""
         if frozen is None:
@@ -251,7 +251,7 @@ class MMRL(Adapter):
                 "reg_text": reg_text.detach()}
 
     # -- other class names ---------------------------------------------------------
-    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> "MMRL":
+    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> MMRL:
         """Other class names (new classes, a cross-dataset or domain-shift target) get the class-token logits
         alone, as the authors score them; the learned tensors are the same."""
         if list(classnames) == self.classnames and list(templates)[:1] == self.templates[:1]:
@@ -261,7 +261,7 @@ class MMRL(Adapter):
         other.load_adapter_state_dict(self.adapter_state_dict())
         return other.to(self.backbone.device).eval()
 
-    def for_target(self, classnames: Sequence[str], templates: Sequence[str], class_map=None) -> "MMRL":
+    def for_target(self, classnames: Sequence[str], templates: Sequence[str], class_map=None) -> MMRL:
         """Any test set but the training data gets the class-token logits alone, whatever its class names: the
         authors' ``test`` (yunncheng/MMRL@27d8821 trainers/mmrl.py:421-426) fuses on the base classes (B2N), the
         few-shot task (FS) and ImageNet itself (CD), and scores ImageNet-V2 and -Sketch, which keep

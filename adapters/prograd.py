@@ -22,18 +22,19 @@ With ``adapter.lam=0`` (or no conflict) ProGrad is CoOp with this init.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Dict, Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from fewclip.adapters._family import learned_for_classnames, zero_shot_points
-from fewclip.adapter.state_export import STATE
-from fewclip.adapters._text import TextTower
 from fewclip.adapter.base import AdapterError, register_adapter
-from fewclip.config.presets import Preset, register_presets
+from fewclip.adapter.state_export import STATE
+from fewclip.adapters._family import learned_for_classnames, zero_shot_points
+from fewclip.adapters._text import TextTower
 from fewclip.adapters.coop import CoOp, CoOpConfig
+from fewclip.config.presets import Preset, register_presets
 
 
 @dataclass
@@ -82,7 +83,7 @@ class ProGrad(CoOp):
         self.register_buffer("teacher", zero_shot_points(backbone, self.classnames, self.templates, self.name),
                              persistent=False)  # [C, D] geometry points
 
-    def training_loss(self, features: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def training_loss(self, features: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         g = self.backbone.geometry
         logits = self(features).float()
         xe = F.cross_entropy(logits, labels)
@@ -94,7 +95,7 @@ class ProGrad(CoOp):
         kl = (-F.softmax(zs / T, dim=1) * F.log_softmax(logits / T, dim=1)).sum(1).mean() * T * T
         return {"loss": xe, "kl": kl}
 
-    def backward(self, terms: Dict[str, torch.Tensor]) -> None:
+    def backward(self, terms: dict[str, torch.Tensor]) -> None:
         """The cross-entropy's gradient, with its component against the distillation gradient removed
         (per parameter tensor, where the two conflict)."""
         if "kl" not in terms:
@@ -114,7 +115,7 @@ class ProGrad(CoOp):
                 if bb > 0 and ab < 0:  # conflicting directions (a zero b gives no direction: a stays)
                     p.grad = a - lam * (ab / bb) * b
 
-    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> "ProGrad":
+    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> ProGrad:
         return learned_for_classnames(self, classnames, templates)
 
 

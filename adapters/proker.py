@@ -45,18 +45,18 @@ Where fewclip differs, and why:
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fewclip.backbones.geometry import Geometry
-
-from fewclip.adapters._cache import TIE_BREAKS, affinity, choose, self_similarity, scored, text_classifier
-from fewclip.adapter.state_export import STATE
 from fewclip.adapter.base import Adapter, AdapterConfig, register_adapter
+from fewclip.adapter.state_export import STATE
+from fewclip.adapters._cache import TIE_BREAKS, affinity, choose, scored, self_similarity, text_classifier
+from fewclip.backbones.geometry import Geometry
 from fewclip.config.presets import Preset, Setting, register_presets
 
 log = logging.getLogger(__name__)
@@ -71,9 +71,9 @@ class ProKeRConfig(AdapterConfig):
     name: str = field(default="proker", metadata={"help": "The method (`fewclip adapters` lists them)."})
     views: int = field(default=10, metadata={"help": "augmented views of each training image, each a training "
                                                      "point (the authors' --augment-epoch)"})
-    beta_grid: List[float] = field(default_factory=lambda: [0.5, 3.0, 20],
+    beta_grid: list[float] = field(default_factory=lambda: [0.5, 3.0, 20],
                                    metadata={"help": "[start, stop, steps] of the beta linspace searched"})
-    lmbda_grid: List[float] = field(default_factory=lambda: [0.001, 1.0, 10],
+    lmbda_grid: list[float] = field(default_factory=lambda: [0.001, 1.0, 10],
                                     metadata={"help": "[start, stop, steps] of the lambda linspace searched"})
     init_beta: float = field(default=1.7, metadata={"help": "beta without a search (ImageNet 16 shots, the "
                                                             "authors' hyperparameters.json)"})
@@ -119,7 +119,7 @@ class ProKeRConfig(AdapterConfig):
                 raise ValueError(f"adapter.{key} must be >= 1, got {getattr(self, key)}")
 
 
-def grid(spec: Sequence[float]) -> List[float]:
+def grid(spec: Sequence[float]) -> list[float]:
     """The authors' ``torch.linspace(start, stop, steps)`` (float32, as theirs), as floats."""
     return [float(v) for v in torch.linspace(float(spec[0]), float(spec[1]), int(spec[2]))]
 
@@ -265,7 +265,7 @@ def solve_cg(geometry: Geometry, keys: Tensor, R: Tensor, beta: float, lmbda: fl
              block: int = 4096, tol: float = 1e-8, max_iter: int = 2000, dtype: torch.dtype = torch.float64,
              rank: int = 0, precond: Optional[NystromPreconditioner] = None, x0: Optional[Tensor] = None,
              operator: Optional[KernelOperator] = None,
-             stats: Optional[Dict] = None, callback: Optional[Callable[[int, float], None]] = None) -> Tuple[Tensor, int]:
+             stats: Optional[dict] = None, callback: Optional[Callable[[int, float], None]] = None) -> tuple[Tensor, int]:
     """The same A = (K / lambda + I)^-1 R by (preconditioned) conjugate gradients on every column of R [N, C] at
     once, the kernel of ``keys`` [N, D] computed in ``block``-sized tiles and never stored (``KernelOperator``:
     memory O(N C + block^2)). ``rank`` > 0: Nystrom preconditioner of that rank (or ``precond``, one made for
@@ -342,7 +342,7 @@ class ProKeR(Adapter):
         self.register_buffer("keys", torch.zeros(0, D))
         self.register_buffer("coef", torch.zeros(0, C))
 
-    def load_adapter_state_dict(self, sd: Dict[str, Tensor]) -> None:
+    def load_adapter_state_dict(self, sd: dict[str, Tensor]) -> None:
         """Load a saved state whatever its number of training points."""
         if "keys" in sd and "coef" in sd:
             self.keys = torch.empty_like(sd["keys"], device=self.keys.device)
@@ -414,7 +414,7 @@ class ProKeR(Adapter):
             yield A
 
     @torch.no_grad()
-    def fit(self, data) -> Dict:
+    def fit(self, data) -> dict:
         """The training points (every view), beta and lambda searched on validation, then A."""
         cfg: ProKeRConfig = self.cfg
         g = self.backbone.geometry
@@ -434,7 +434,7 @@ class ProKeR(Adapter):
         return {**found, "n_train_points": int(keys.shape[0]), "solver": "cg" if self.use_cg(len(keys)) else "direct"}
 
     @torch.no_grad()
-    def search(self, keys: Tensor, R: Tensor, val) -> Dict:
+    def search(self, keys: Tensor, R: Tensor, val) -> dict:
         """(beta, lambda) with the best validation accuracy over the grids (ties: ``tie_break``), and its ``A``."""
         cfg: ProKeRConfig = self.cfg
         vx, vy = val

@@ -50,19 +50,19 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fewclip.utils.errors import NonFiniteError
-
-from fewclip.adapters._cache import TIE_BREAKS, choose, scored, text_classifier
-from fewclip.adapter.state_export import STATE
 from fewclip.adapter.base import Adapter, AdapterConfig, AdapterError, register_adapter
+from fewclip.adapter.state_export import STATE
+from fewclip.adapters._cache import TIE_BREAKS, choose, scored, text_classifier
 from fewclip.config.presets import Preset, Setting, register_presets
+from fewclip.utils.errors import NonFiniteError
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +74,9 @@ class ProLIPConfig(AdapterConfig):
                                                       "in turn (the authors' aug_views)"})
     epochs: int = field(default=300, metadata={"help": "full-batch Adam steps (the authors' train_epoch)"})
     search: bool = field(default=True, metadata={"help": "search lr and lambda on the few-shot validation split"})
-    lrs: List[float] = field(default_factory=lambda: [1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8],
+    lrs: list[float] = field(default_factory=lambda: [1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8],
                              metadata={"help": "learning rates searched (the authors' lr_list)"})
-    lambdas: List[float] = field(default_factory=lambda: [10.0, 1.0, 0.1, 0.01, 0.001, 0.0001, 0.0],
+    lambdas: list[float] = field(default_factory=lambda: [10.0, 1.0, 0.1, 0.01, 0.001, 0.0001, 0.0],
                                  metadata={"help": "regulariser weights searched (the authors' lambda_list)"})
     lr: float = field(default=1e-5, metadata={"help": "learning rate without a search (the authors' lr_v)"})
     lmbda: float = field(default=-1.0, metadata={"help": "lambda without a search; -1: 1 / shots (the authors' "
@@ -172,7 +172,7 @@ class ProLIP(Adapter):
         return proj.detach()
 
     @torch.no_grad()
-    def fit(self, data) -> Dict:
+    def fit(self, data) -> dict:
         """The projection trained for each (lr, lambda) of the grid; the best on validation is kept."""
         cfg: ProLIPConfig = self.cfg
         dev = self.projection.device

@@ -44,25 +44,26 @@ engine steps its cosine per iteration.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
-
-from fewclip.adapters._deep import gaussian_weights
-from fewclip.adapter.state_export import STATE
-from fewclip.adapter.base import AdapterError, register_adapter
-from fewclip.config.presets import Preset, Setting, register_presets
-from fewclip.adapters.ivlp import IVLP, IVLPConfig
 from open_clip.zero_shot_metadata import OPENAI_IMAGENET_TEMPLATES
+
+from fewclip.adapter.base import AdapterError, register_adapter
+from fewclip.adapter.state_export import STATE
+from fewclip.adapters._deep import gaussian_weights
+from fewclip.adapters.ivlp import IVLP, IVLPConfig
+from fewclip.config.presets import Preset, Setting, register_presets
 
 log = logging.getLogger(__name__)
 
 TEACHER_TEMPLATES = ("auto", "imagenet60", "dataset")
 
 
-def imagenet60_templates() -> List[str]:
+def imagenet60_templates() -> list[str]:
     """PromptSRC's text-teacher templates: the first 60 of CLIP's 80 ImageNet templates, with
     "a photo of a {}." (the 40th) moved to the front (``PromptSRC/trainers/imagenet_templates.py``)."""
 
@@ -113,9 +114,9 @@ class PromptSRC(IVLP):
         super().__init__(cfg, backbone, classnames, templates, generator=generator)
         self.teacher_template_list = self._choose_teacher_templates(cfg.teacher_templates)
         self._teacher: Optional[torch.Tensor] = None
-        self._gpa_sum: Optional[Dict[str, torch.Tensor]] = None
+        self._gpa_sum: Optional[dict[str, torch.Tensor]] = None
 
-    def _choose_teacher_templates(self, choice: str) -> List[str]:
+    def _choose_teacher_templates(self, choice: str) -> list[str]:
         run = [t for t in self.templates] or ["a photo of a {}."]
         bad = [t for t in run if t.count("{}") != 1]
         if bad:
@@ -152,7 +153,7 @@ class PromptSRC(IVLP):
         return self._teacher
 
     def training_loss(self, features: torch.Tensor, labels: torch.Tensor,
-                      frozen: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
+                      frozen: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
         """Loss terms of one batch: prompted image features [B, D], labels [B], and the frozen image tower's
         features of the same pixels [B, D] (without image prompts, the features are the frozen ones)."""
         cfg, g = self.cfg, self.backbone.geometry

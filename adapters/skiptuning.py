@@ -38,16 +38,17 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from fewclip.adapter.base import AdapterConfig, AdapterError, default_generator, register_adapter
 from fewclip.adapters._deep import _run_block, text_lower_blocks, text_upper_blocks, vision_pool, vision_tokens, vision_transformer
 from fewclip.adapters._towers import TOWER, TowerWeightsAdapter, replace_module, shared_copy, tower_blocks
-from fewclip.adapter.base import AdapterConfig, AdapterError, default_generator, register_adapter
 from fewclip.config.presets import Preset, Setting, register_presets
 
 
@@ -116,7 +117,7 @@ def run_ranks(keep: torch.Tensor, batch: int) -> torch.Tensor:
     return keep.nonzero().flatten()
 
 
-def skip_classes(scores: torch.Tensor, labels: torch.Tensor, ranks: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def skip_classes(scores: torch.Tensor, labels: torch.Tensor, ranks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The classes a step runs and the labels among them: ``scores`` [B, C] of the batch against the class
     prototypes, ``labels`` [B], ``ranks`` [K] the rank positions run (``run_ranks``). The classes are ranked by
     their highest score over the batch, the batch's labels first; returns the class indices [K] at those ranks
@@ -241,7 +242,7 @@ class SkipTuning(TowerWeightsAdapter):
     def set_keep(self, keep: torch.Tensor) -> None:
         """Which rank positions [C] a step runs (drawn once at construction; on the host, not a buffer)."""
         self.keep = keep.detach().cpu().bool()
-        self._ranks: Dict[Tuple[int, str], torch.Tensor] = {}  # (batch size, device) -> run_ranks on the device
+        self._ranks: dict[tuple[int, str], torch.Tensor] = {}  # (batch size, device) -> run_ranks on the device
 
     def step_ranks(self, batch: int, device: torch.device) -> torch.Tensor:
         key = (batch, str(device))
@@ -249,7 +250,7 @@ class SkipTuning(TowerWeightsAdapter):
             self._ranks[key] = run_ranks(self.keep, batch).to(device)
         return self._ranks[key]
 
-    def training_loss(self, features: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def training_loss(self, features: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         """Cross-entropy over the classes this step runs (module docstring)."""
         g = self.backbone.geometry
         if not self.skips_classes:
@@ -262,7 +263,7 @@ class SkipTuning(TowerWeightsAdapter):
         logits = g.image_logits(features, protos)
         return {"loss": F.cross_entropy(logits.float(), target)}
 
-    def param_groups(self) -> List[Dict]:
+    def param_groups(self) -> list[dict]:
         """The text tower's tensors at the run's learning rate, the image tower's at ``image_lr_scale`` x it."""
         image, text = [], []
         for n, p in self.named_parameters():
@@ -270,7 +271,7 @@ class SkipTuning(TowerWeightsAdapter):
             (image if key.startswith(self._image_keys) else text).append(p)
         return [{"params": text, "lr_scale": 1.0}, {"params": image, "lr_scale": float(self.cfg.image_lr_scale)}]
 
-    def merged_state_dict(self) -> Dict[str, torch.Tensor]:
+    def merged_state_dict(self) -> dict[str, torch.Tensor]:
         """The backbone's open_clip state dict with the tuned blocks, LayerNorms and projections (same keys)."""
         return self._check_merged(dict(self.model.state_dict()))
 

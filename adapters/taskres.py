@@ -29,15 +29,16 @@ and the residual moves the classifier by as much, relative to its norm, as in th
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from torch import Tensor, nn
 
-from fewclip.adapters._cache import text_classifier
-from fewclip.adapter.state_export import STATE
 from fewclip.adapter.base import Adapter, AdapterConfig, register_adapter
+from fewclip.adapter.state_export import STATE
+from fewclip.adapters._cache import text_classifier
 from fewclip.config.presets import Preset, Setting, register_presets
 
 

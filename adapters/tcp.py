@@ -27,18 +27,19 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn as nn
 from open_clip.transformer import QuickGELU
 
-from fewclip.adapters._family import default_linear, learned_for_classnames, loss_near_teacher, text_output_dim, zero_shot_points
-from fewclip.adapter.state_export import STATE
 from fewclip.adapter.base import AdapterError, default_generator, register_adapter
-from fewclip.config.presets import Preset, register_presets
+from fewclip.adapter.state_export import STATE
+from fewclip.adapters._family import default_linear, learned_for_classnames, loss_near_teacher, text_output_dim, zero_shot_points
 from fewclip.adapters.coop import CoOp, CoOpConfig
+from fewclip.config.presets import Preset, register_presets
 
 
 @dataclass
@@ -109,7 +110,7 @@ class TCP(CoOp):
             raise AdapterError(f"prompt template {template!r} needs exactly one '{{}}' for the class name")
         return template.split("{}", 1)[1]
 
-    def set_text_mode(self, mode: str) -> "TCP":
+    def set_text_mode(self, mode: str) -> TCP:
         if mode == "shared":
             raise ValueError("TCP's class-aware tokens differ per class: there is no shared prefix")
         return super().set_text_mode(mode)
@@ -142,10 +143,10 @@ class TCP(CoOp):
 
         return self.tower.forward(x, tokens, before_block=inject)
 
-    def training_loss(self, features: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def training_loss(self, features: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         return loss_near_teacher(self, features, labels, self.cfg.weight)
 
-    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> "TCP":
+    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> TCP:
         return learned_for_classnames(self, classnames, templates, scores_with_templates=True)
 
 

@@ -33,16 +33,17 @@ validation images (or ``search=false``) beta and alpha stay at ``init_beta`` and
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fewclip.adapters._cache import TIE_BREAKS, affinity, authors_grid, search_alpha_beta, self_similarity, text_classifier
-from fewclip.adapter.state_export import STATE
 from fewclip.adapter.base import Adapter, AdapterConfig, register_adapter
+from fewclip.adapter.state_export import STATE
+from fewclip.adapters._cache import TIE_BREAKS, affinity, authors_grid, search_alpha_beta, self_similarity, text_classifier
 from fewclip.config.presets import Preset, Setting, register_presets
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ class TipAdapter(Adapter):
         """Cache keys [N, D], points of the geometry (a buffer here; Tip-Adapter-F makes them a parameter)."""
         self.register_buffer("cache_keys", keys)
 
-    def load_adapter_state_dict(self, sd: Dict[str, Tensor]) -> None:
+    def load_adapter_state_dict(self, sd: dict[str, Tensor]) -> None:
         """Load a saved state whatever its cache size (the state of an unfitted adapter has an empty cache)."""
         if "cache_keys" in sd and "cache_values" in sd:
             self.cache_values = torch.empty_like(sd["cache_values"], device=self.cache_values.device)
@@ -145,14 +146,14 @@ class TipAdapter(Adapter):
     def fit_views(self) -> int:
         return self.cfg.views
 
-    def fit(self, data) -> Dict:
+    def fit(self, data) -> dict:
         """Build the cache from the first ``views`` views, then search beta and alpha on validation."""
         views = data.views[: self.cfg.views]
         self.build_cache([v.x for v in views], data.train.y)
         return self.search(data.val)
 
     @torch.no_grad()
-    def search(self, val) -> Dict:
+    def search(self, val) -> dict:
         """Set beta and alpha to the best grid point on the validation features ``val`` (raw, with labels)."""
         cfg: TipAdapterConfig = self.cfg
         vx, vy = val

@@ -28,16 +28,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Dict
 
 from torch import Tensor, nn
 
-from fewclip.training.engine import CachedFeatures, train_loop
-
-from fewclip.adapter.state_export import STATE
 from fewclip.adapter.base import register_adapter
-from fewclip.config.presets import Preset, Setting, register_presets
+from fewclip.adapter.state_export import STATE
 from fewclip.adapters.tip_adapter import TipAdapter, TipAdapterConfig
+from fewclip.config.presets import Preset, Setting, register_presets
+from fewclip.training.engine import CachedFeatures, train_loop
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +68,7 @@ class TipAdapterF(TipAdapter):
     def fit_views(self) -> int:
         return self.cfg.views + self.cfg.train_views
 
-    def fit(self, data) -> Dict:
+    def fit(self, data) -> dict:
         """The cache, the keys fine-tuned (epoch selected on validation), then beta and alpha searched."""
         cfg: TipAdapterFConfig = self.cfg
         self.build_cache([v.x for v in data.views[: cfg.views]], data.train.y)

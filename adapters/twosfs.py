@@ -30,16 +30,16 @@ from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Optional
 
 import torch
 import torch.nn as nn
 
-from fewclip.backbones.attention import parse_layers
-
-from fewclip.adapters._towers import TOWER, TowerWeightsAdapter, replace_module, shared_copy, tower_blocks
 from fewclip.adapter.base import AdapterConfig, AdapterError, register_adapter
+from fewclip.adapters._towers import TOWER, TowerWeightsAdapter, replace_module, shared_copy, tower_blocks
+from fewclip.backbones.attention import parse_layers
 from fewclip.config.presets import Preset, register_presets
 
 TOWERS = ("text", "vision", "both")
@@ -148,7 +148,7 @@ class TwoSFS(TowerWeightsAdapter):
         self.classifier.requires_grad_(stage == 2)
         self._fixed_protos = None
 
-    def trainable_parameters(self) -> List[nn.Parameter]:
+    def trainable_parameters(self) -> list[nn.Parameter]:
         # Both stages' tensors go to the optimiser: one of them has no gradient at each step, which AdamW skips
         # (no update, no decay, no state), so this is their two optimisers.
         return list(self.ln.parameters()) + [self.classifier]
@@ -165,18 +165,18 @@ class TwoSFS(TowerWeightsAdapter):
             return g.image_logits(features, g.from_linear(self.classifier.float()))
         return g.image_logits(features, self.prototypes())
 
-    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> "TwoSFS":
+    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> TwoSFS:
         """Other class names: a trained class keeps its classifier row, any other name gets the text prototype
         of the stage-1 text tower (their ``infer``, which knows a class by its name; a name that several
         trained classes share is their rows in turn, so the trained list maps to itself)."""
         return self._for(classnames, templates, None)
 
-    def for_target(self, classnames: Sequence[str], templates: Sequence[str], class_map=None) -> "TwoSFS":
+    def for_target(self, classnames: Sequence[str], templates: Sequence[str], class_map=None) -> TwoSFS:
         """A domain-shift target's classes (``class_map``: their trained labels) keep their classifier rows by
         label, not by name; other targets as ``for_classnames``."""
         return self._for(classnames, templates, list(class_map) if class_map is not None else None)
 
-    def _for(self, classnames: Sequence[str], templates: Sequence[str], rows: Optional[List[int]]) -> "TwoSFS":
+    def _for(self, classnames: Sequence[str], templates: Sequence[str], rows: Optional[list[int]]) -> TwoSFS:
         same_rows = rows is None or rows == list(range(len(self.classnames)))
         if (list(classnames) == self.classnames and same_rows
                 and (list(templates) or ["a photo of a {}."]) == self.templates):
@@ -196,27 +196,27 @@ class TwoSFS(TowerWeightsAdapter):
         other._stage_trainable()
         return other.to(self.backbone.device).eval()
 
-    def load_adapter_state_dict(self, sd: Dict[str, torch.Tensor]) -> None:
+    def load_adapter_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         super().load_adapter_state_dict(sd)
         if "stage" in sd:  # the saved stage, read from the state being loaded (host), not from the device
             self._stage = int(sd["stage"])
         self._stage_trainable()
 
-    def merged_state_dict(self) -> Dict[str, torch.Tensor]:
+    def merged_state_dict(self) -> dict[str, torch.Tensor]:
         """The backbone's open_clip state dict with the stage-1 LayerNorms (same keys); the stage-2 classifier is
         not part of an open_clip model."""
         sd = dict(self.model.state_dict())
         return self._check_merged(sd)
 
 
-def _rows_by_name(trained: Sequence[str], names: Sequence[str]) -> List[Optional[int]]:
+def _rows_by_name(trained: Sequence[str], names: Sequence[str]) -> list[Optional[int]]:
     """For each of ``names``, the trained row of that name (the k-th time a name is asked for, the k-th trained
     class of that name, or its last one), None for a name not trained on."""
-    where: Dict[str, List[int]] = {}
+    where: dict[str, list[int]] = {}
     for i, c in enumerate(trained):
         where.setdefault(c, []).append(i)
-    used: Dict[str, int] = {}
-    out: List[Optional[int]] = []
+    used: dict[str, int] = {}
+    out: list[Optional[int]] = []
     for c in names:
         if c not in where:
             out.append(None)

@@ -9,15 +9,15 @@ its runs have ``shots=0`` and no split.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
-from fewclip.features.encode import text_prototypes
-
 from fewclip.adapter.base import Adapter, AdapterConfig, register_adapter
 from fewclip.config.presets import Preset, register_presets
+from fewclip.features.encode import text_prototypes
 
 
 @dataclass
@@ -41,7 +41,7 @@ class ZeroShot(Adapter):
     def forward(self, features: torch.Tensor) -> torch.Tensor:  # [B, D] raw -> [B, C]
         return self.backbone.geometry.image_logits(features, self.prototypes)
 
-    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> "ZeroShot":
+    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> ZeroShot:
         """The zero-shot classifier of ``classnames`` with ``templates`` (this one where they are its own)."""
         if list(classnames) == self.classnames and list(templates) == self.templates:
             return self

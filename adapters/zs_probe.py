@@ -43,8 +43,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -104,7 +105,7 @@ class ZSProbe(Adapter):
         g = self.backbone.geometry
         return g.logits(img, g.from_linear(v))
 
-    def fit(self, data) -> Dict:
+    def fit(self, data) -> dict:
         """Adam from the zero-shot init; keeps the step with the best validation accuracy (step 0 included)."""
         cfg: ZSProbeConfig = self.cfg
         K, D = self.weight.shape
@@ -125,7 +126,7 @@ class ZSProbe(Adapter):
             log.warning("zs_probe: no validation images; keeping the last step instead of selecting one")
 
         @torch.no_grad()
-        def validate() -> Tuple[float, float]:
+        def validate() -> tuple[float, float]:
             if not has_val:
                 return float("nan"), float("nan")
             logits = self._logits_of(img_v, self.weight)

@@ -61,10 +61,13 @@ every class in every split exists; it opens no image.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Optional
+
+from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES
 
 from fewclip.data.base import SPLITS, DataConfig, Dataset, DatasetError, Item, register_dataset
 from fewclip.datasets.folder import (
@@ -76,8 +79,6 @@ from fewclip.datasets.folder import (
     read_split_file,
     resolve_split_file,
 )
-from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES
-from open_clip.zero_shot_metadata import OPENAI_IMAGENET_TEMPLATES
 
 COOP_DOCS = "KaiyangZhou/CoOp, DATASETS.md"
 
@@ -110,12 +111,12 @@ class Benchmark:
     folder: str  # under data.root
     image_dir: str  # under folder; ids are relative to it ("" = the folder itself)
     split_json: Optional[str]  # CoOp's split file under folder, for reader "zhou"
-    templates: Tuple[str, ...]  # CoOp's single template first
+    templates: tuple[str, ...]  # CoOp's single template first
     description: str
-    tree: Tuple[str, ...]  # the lines under folder/ in the layout
+    tree: tuple[str, ...]  # the lines under folder/ in the layout
     reader: str = "zhou"  # "zhou" | "aircraft" | "imagenet" | "imagenet_v2" | "wnid_folders"
     rename: Mapping[str, str] = field(default_factory=dict)
-    ignored: Tuple[str, ...] = ()
+    ignored: tuple[str, ...] = ()
     test_only: bool = False  # a domain-shift target: only a test split
 
     @property
@@ -137,7 +138,7 @@ def _zhou(name, folder, image_dir, split_json, templates, description, images_no
     return Benchmark(name, folder, image_dir, split_json, tuple(templates), description, tree, **kw)
 
 
-BENCHMARKS: Dict[str, Benchmark] = {}
+BENCHMARKS: dict[str, Benchmark] = {}
 
 
 def _add(b: Benchmark) -> None:
@@ -291,7 +292,7 @@ def _layout_error(b: Benchmark, message: str, root: Optional[Path] = None) -> Da
 
 
 # What a reader returns: class names, {split: items} and the class ids (ImageNet wnids; [] = none).
-Read = Tuple[List[str], Dict[str, List[Item]], List[str]]
+Read = tuple[list[str], dict[str, list[Item]], list[str]]
 
 
 def _read_zhou(b: Benchmark, base: Path, image_root: Path, root: Path) -> Read:
@@ -301,7 +302,7 @@ def _read_zhou(b: Benchmark, base: Path, image_root: Path, root: Path) -> Read:
     return (*read_split_file(path, rename=b.rename, ignored=b.ignored), [])
 
 
-def _read_lines(b: Benchmark, path: Path) -> List[str]:
+def _read_lines(b: Benchmark, path: Path) -> list[str]:
     if not path.is_file():
         raise _layout_error(b, f"{path} not found")
     with open(path, encoding="utf-8") as f:
@@ -313,7 +314,7 @@ def _read_aircraft(b: Benchmark, base: Path, image_root: Path, root: Path) -> Re
     label_of = {v: i for i, v in enumerate(variants)}
     if not variants or len(label_of) != len(variants):
         raise _layout_error(b, f"{base / 'variants.txt'} must list distinct class names, one per line")
-    splits: Dict[str, List[Item]] = {}
+    splits: dict[str, list[Item]] = {}
     for split in SPLITS:
         path = base / f"images_variant_{split}.txt"
         items = splits[split] = []
@@ -329,9 +330,9 @@ def _read_aircraft(b: Benchmark, base: Path, image_root: Path, root: Path) -> Re
     return [clean_classname(v) for v in variants], splits, []
 
 
-def _read_wnid_names(b: Benchmark, path: Path) -> Dict[str, str]:
+def _read_wnid_names(b: Benchmark, path: Path) -> dict[str, str]:
     """CoOp's ``classnames.txt``: lines '<wnid> <class name>', in file order."""
-    names: Dict[str, str] = {}
+    names: dict[str, str] = {}
     for lineno, line in enumerate(_read_lines(b, path), 1):
         if not line:
             continue
@@ -346,7 +347,7 @@ def _read_wnid_names(b: Benchmark, path: Path) -> Dict[str, str]:
     return names
 
 
-def _read_imagenet_classnames(b: Benchmark, path: Path, wnids: List[str], root: Path) -> List[str]:
+def _read_imagenet_classnames(b: Benchmark, path: Path, wnids: list[str], root: Path) -> list[str]:
     if not path.is_file():
         if len(wnids) != 1000:
             raise _layout_error(
@@ -371,7 +372,7 @@ def _read_imagenet(b: Benchmark, base: Path, image_root: Path, root: Path) -> Re
         raise _layout_error(b, f"{train_dir} has no class folders")
     classnames = _read_imagenet_classnames(b, base / "classnames.txt", wnids, root)
     label_of = {w: i for i, w in enumerate(wnids)}
-    splits: Dict[str, List[Item]] = {s: [] for s in SPLITS}
+    splits: dict[str, list[Item]] = {s: [] for s in SPLITS}
     for wnid in wnids:
         ids = [f"train/{wnid}/{name}" for name in list_images(train_dir / wnid)]
         held_out = set(hash_order(ids)[: min(IMAGENET_VAL_PER_CLASS, len(ids) // 5)])
@@ -427,13 +428,13 @@ def _read_wnid_folders(b: Benchmark, base: Path, image_root: Path, root: Path) -
     return classnames, {"test": items}, wnids
 
 
-def coop_imagenet_pool(dataset: Dataset) -> List[Item]:
+def coop_imagenet_pool(dataset: Dataset) -> list[Item]:
     """ImageNet's training images as CoOp lists them (``datasets/imagenet.py`` ``read_data``): the sorted class
     folders of ``images/train``, each in ``os.listdir`` order without hidden files; fewclip's training and
     held-out validation images together (``fewclip.data.coop_sampler``)."""
     by_id = {it.id: it for split in ("train", "val") for it in dataset.splits.get(split, [])}
     train_dir = Path(dataset.root) / "train"
-    pool: List[Item] = []
+    pool: list[Item] = []
     for wnid in dataset.class_ids:
         for name in os.listdir(train_dir / wnid):
             if name.startswith("."):
@@ -451,7 +452,7 @@ _READERS = {"zhou": _read_zhou, "aircraft": _read_aircraft, "imagenet": _read_im
             "imagenet_v2": _read_imagenet_v2, "wnid_folders": _read_wnid_folders}
 
 
-def _templates(b: Benchmark) -> List[str]:
+def _templates(b: Benchmark) -> list[str]:
     templates = list(b.templates)
     if b.name in IMAGENET_FAMILY:
 
@@ -474,7 +475,7 @@ def build_benchmark(b: Benchmark, cfg: DataConfig) -> Dataset:
             raise DatasetError(f"dataset {b.name!r} is a test set only; it takes no data.split_file")
         split_path = resolve_split_file(cfg.split_file, base)
         classnames, splits = read_split_file(split_path, rename=b.rename, ignored=b.ignored)
-        class_ids: List[str] = []
+        class_ids: list[str] = []
         source = f"split file {split_path}"
     else:
         classnames, splits, class_ids = _READERS[b.reader](b, base, image_root, root)

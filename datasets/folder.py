@@ -29,8 +29,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Collection, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Optional
 
 from fewclip.data.base import SPLITS, DataConfig, Dataset, DatasetError, Item, folder_dataset_name, register_dataset
 
@@ -72,7 +73,7 @@ def is_image_file(name: str) -> bool:
     return not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS)
 
 
-def _entries(folder: Path, keep) -> List[str]:
+def _entries(folder: Path, keep) -> list[str]:
     """Sorted names of the entries of ``folder`` for which ``keep(entry)``; a broken entry (a symbolic link
     loop) is a DatasetError naming it."""
     names = []
@@ -87,22 +88,22 @@ def _entries(folder: Path, keep) -> List[str]:
     return sorted(names)
 
 
-def list_class_folders(root: Path) -> List[str]:
+def list_class_folders(root: Path) -> list[str]:
     """Sorted names of the non-hidden sub-folders of ``root``."""
     return _entries(root, lambda e: not e.name.startswith(".") and e.is_dir())
 
 
-def list_images(folder: Path) -> List[str]:
+def list_images(folder: Path) -> list[str]:
     """Sorted names of the image files directly inside ``folder``."""
     return _entries(folder, lambda e: is_image_file(e.name) and e.is_file())
 
 
-def hash_order(ids: Iterable[str]) -> List[str]:
+def hash_order(ids: Iterable[str]) -> list[str]:
     """``ids`` ordered by the SHA-1 of each id: a shuffle that depends only on the names."""
     return sorted(ids, key=lambda s: (hashlib.sha1(s.encode("utf-8")).hexdigest(), s))
 
 
-def split_counts(n: int) -> Tuple[int, int, int]:
+def split_counts(n: int) -> tuple[int, int, int]:
     """(train, val, test) sizes for a class of ``n >= 1`` images; test gets at least one."""
     n_test = max(1, int((1.0 - TRAIN_FRACTION - VAL_FRACTION) * n + 0.5))
     n_val = min(int(VAL_FRACTION * n + 0.5), n - n_test)
@@ -114,7 +115,7 @@ def read_split_file(
     *,
     rename: Optional[Mapping[str, str]] = None,
     ignored: Collection[str] = (),
-) -> Tuple[List[str], Dict[str, List[Item]]]:
+) -> tuple[list[str], dict[str, list[Item]]]:
     """Parse a CoOp ``split_zhou`` JSON into (class names, {split: items}).
 
     Entries whose first path component is in ``ignored`` are dropped. Class
@@ -141,8 +142,8 @@ def read_split_file(
         raise DatasetError(f"split file {path} has unknown keys {unknown}; allowed: {list(SPLITS)}")
 
     rename = rename or {}
-    names: Dict[int, str] = {}  # file label -> raw class name
-    entries: Dict[str, List[Tuple[str, int]]] = {}
+    names: dict[int, str] = {}  # file label -> raw class name
+    entries: dict[str, list[tuple[str, int]]] = {}
     for split in SPLITS:
         rows = raw.get(split, [])
         if not isinstance(rows, list):
@@ -206,11 +207,11 @@ def _folder_error(message: str) -> DatasetError:
     return DatasetError(f"{message}; expected layout:\n{LAYOUT}")
 
 
-def _scan_folder(root: Path) -> Tuple[List[str], Dict[str, List[Item]]]:
+def _scan_folder(root: Path) -> tuple[list[str], dict[str, list[Item]]]:
     folders = list_class_folders(root)
     if not folders:
         raise _folder_error(f"data.root={str(root)!r} has no class sub-folders")
-    splits: Dict[str, List[Item]] = {s: [] for s in SPLITS}
+    splits: dict[str, list[Item]] = {s: [] for s in SPLITS}
     for label, folder in enumerate(folders):
         files = list_images(root / folder)
         if not files:

@@ -22,31 +22,29 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.nn as nn
-
-import fewclip.datasets.toyworld as tw
-
-from fewclip.backbones.backbone import remove_final_ln
-from fewclip.features.encode import progress
-from fewclip.backbones.geometry import Geometry, make_geometry
-from fewclip.backbones.tokenizer import WordTokenizer
-from fewclip.backbones.backbone import build_open_clip_model, resolve_device
-from fewclip.utils.rng import forked_global_rng
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
+
+import fewclip.datasets.toyworld as tw
+from fewclip.backbones.backbone import build_open_clip_model, remove_final_ln, resolve_device
+from fewclip.backbones.geometry import Geometry, make_geometry
+from fewclip.backbones.tokenizer import WordTokenizer
+from fewclip.features.encode import progress
 from fewclip.utils.checksums import sha256_file
 from fewclip.utils.io import atomic_write, atomic_write_text
+from fewclip.utils.rng import forked_global_rng
 
 log = logging.getLogger(__name__)
 
 TOY_MEAN = (0.5, 0.5, 0.5)
 TOY_STD = (0.25, 0.25, 0.25)
 
-RECIPES: Dict[str, Dict] = {
+RECIPES: dict[str, dict] = {
     "toy-clip": {"geometry": "clip", "geometry_params": {"logit_scale": 1 / 0.07}, "final_ln": True},
     "toy-euclip": {"geometry": "euclidean_sq", "geometry_params": {"logit_scale": 1 / 0.07}, "final_ln": False},
     "toy-meru": {"geometry": "hyperbolic", "geometry_params": {"logit_scale": 1 / 0.07, "curvature": 1.0},
@@ -93,7 +91,7 @@ class PretrainConfig:
             raise ValueError(f"amp must be 'none' or 'bf16', got {self.amp!r}")
 
 
-def model_config(cfg: PretrainConfig, vocab_size: int) -> Dict:
+def model_config(cfg: PretrainConfig, vocab_size: int) -> dict:
     extra = {"init_logit_bias": RECIPES[cfg.recipe]["geometry_params"]["logit_bias"]} \
         if RECIPES[cfg.recipe]["geometry"] == "sigmoid" else {}
     return {
@@ -137,7 +135,7 @@ class _Stream(torch.utils.data.IterableDataset):
             yield batch_tensors(s, self.batch_size, self.data_seed, self.tokenizer)
 
 
-def _param_groups(model: nn.Module, geometry: Geometry, weight_decay: float) -> List[Dict]:
+def _param_groups(model: nn.Module, geometry: Geometry, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -189,7 +187,7 @@ def pretrain(cfg: PretrainConfig):
     loader = torch.utils.data.DataLoader(
         _Stream(0, cfg.steps, cfg.batch_size, cfg.data_seed, tokenizer), batch_size=None,
         num_workers=cfg.workers, prefetch_factor=4 if cfg.workers > 0 else None)
-    history: List[Dict] = []
+    history: list[dict] = []
     model.train()
     t0 = time.time()
     ema = None
@@ -220,7 +218,7 @@ def pretrain(cfg: PretrainConfig):
 
 
 def save_reference(cfg: PretrainConfig, model: nn.Module, geometry: Geometry, tokenizer: WordTokenizer,
-                   mcfg: Dict, history: List[Dict], out_dir: str | Path, train_time_s: float,
+                   mcfg: dict, history: list[dict], out_dir: str | Path, train_time_s: float,
                    device_name: str) -> Path:
     """Write ``<recipe>.safetensors`` (fp16), ``<recipe>.vocab.json`` and the card ``<recipe>.yaml``."""
 

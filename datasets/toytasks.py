@@ -33,7 +33,6 @@ import hashlib
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Tuple
 
 import numpy as np
 from PIL import Image
@@ -50,14 +49,14 @@ class ToyTaskSpec:
     # The attribute the label fixes, or several joined by "+" ("colour+shape"): then each class
     # shows one value of each, and its name (or ``values`` entry) lists them in that order.
     attribute: str
-    classnames: Tuple[str, ...]
-    templates: Tuple[str, ...]
-    fixed: Tuple[Tuple[str, str], ...] = ()  # attributes pinned for every image
+    classnames: tuple[str, ...]
+    templates: tuple[str, ...]
+    fixed: tuple[tuple[str, str], ...] = ()  # attributes pinned for every image
     # The attribute value(s) each class shows, when the class names are other words (default: the names);
     # for several attributes, the values separated by spaces ("red circle").
-    values: Tuple[str, ...] = ()
+    values: tuple[str, ...] = ()
     style: str = "photo"
-    per_class: Tuple[int, int, int] = (64, 16, 100)  # train, val, test images per class
+    per_class: tuple[int, int, int] = (64, 16, 100)  # train, val, test images per class
     hflip_ok: bool = True
     # Rendering shift applied on top of the toy world's own rendering (never seen in pretraining):
     # extra per-pixel noise of this amplitude (0-255 scale) and contrast towards mid-gray.
@@ -72,10 +71,10 @@ class ToyTaskSpec:
         return zlib.crc32(self.name.encode()) & 0x7FFFFFFF
 
     @property
-    def attributes(self) -> Tuple[str, ...]:
+    def attributes(self) -> tuple[str, ...]:
         return tuple(self.attribute.split("+"))
 
-    def class_values(self) -> List[Dict[str, str]]:
+    def class_values(self) -> list[dict[str, str]]:
         """Per class, the value it shows of each labelled attribute: ``[{"colour": "red", "shape": "circle"}, ...]``."""
         out = []
         for v in self.values or self.classnames:
@@ -97,7 +96,7 @@ _SHAPE_TEMPLATES = (
     "a {} on a background.",
 )
 
-TASKS: Dict[str, ToyTaskSpec] = {}
+TASKS: dict[str, ToyTaskSpec] = {}
 
 
 def _add(spec: ToyTaskSpec) -> None:
@@ -221,10 +220,10 @@ class ToyTask(Dataset):
         self.hflip_ok = spec.hflip_ok
         self.min_crop_scale = spec.min_crop_scale
         self.generator = generator_identity(spec)
-        self._cache: Dict[str, np.ndarray] = {}
+        self._cache: dict[str, np.ndarray] = {}
 
-    def _fixed(self, labels: np.ndarray) -> Dict[str, np.ndarray]:
-        fixed: Dict[str, np.ndarray] = {}
+    def _fixed(self, labels: np.ndarray) -> dict[str, np.ndarray]:
+        fixed: dict[str, np.ndarray] = {}
         per_class = self.spec.class_values()
         for attr in self.spec.attributes:
             lut = np.array([tw.ATTRIBUTES[attr].index(v[attr]) for v in per_class], dtype=np.int64)
@@ -269,7 +268,7 @@ class ToyTask(Dataset):
         return Image.fromarray(self.render_split(split)[int(i)])
 
 
-_CODE_DIGEST: Dict[str, str] = {}
+_CODE_DIGEST: dict[str, str] = {}
 
 
 def generator_identity(spec: ToyTaskSpec) -> str:
@@ -281,7 +280,7 @@ def generator_identity(spec: ToyTaskSpec) -> str:
         for module in (tw.__file__, __file__):
             h.update(Path(module).read_bytes())
         _CODE_DIGEST["code"] = h.hexdigest()
-    return "toyworld:" + hashlib.sha256(f"{_CODE_DIGEST['code']}/{spec!r}".encode("utf-8")).hexdigest()[:32]
+    return "toyworld:" + hashlib.sha256(f"{_CODE_DIGEST['code']}/{spec!r}".encode()).hexdigest()[:32]
 
 
 def _builder(name: str):

@@ -35,8 +35,9 @@ background, no fill, which is the distribution-shift task.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Optional
 
 import numpy as np
 
@@ -50,7 +51,7 @@ PATTERNS = ["solid", "striped", "dotted", "checkered", "speckled"]
 BACKGROUNDS = ["black", "gray", "navy", "brown"]
 STYLES = ["photo", "outline", "sketch"]
 
-ATTRIBUTES: Dict[str, List[str]] = {
+ATTRIBUTES: dict[str, list[str]] = {
     "shape": SHAPES,
     "colour": COLOURS,
     "size": SIZES,
@@ -131,7 +132,7 @@ class Scene:
     def __len__(self) -> int:
         return len(self.index)
 
-    def attrs(self, i: int) -> Dict[str, str]:
+    def attrs(self, i: int) -> dict[str, str]:
         return {name: ATTRIBUTES[name][int(getattr(self, name)[i])] for name in ATTRIBUTES}
 
 
@@ -153,7 +154,7 @@ POSITION_BACKGROUND = {"top": "navy", "bottom": "brown", "left": "gray", "right"
 def sample_scene(
     seed: int,
     index: np.ndarray,
-    fixed: Optional[Dict[str, np.ndarray | int]] = None,
+    fixed: Optional[dict[str, np.ndarray | int]] = None,
     style_p: Sequence[float] = PRETRAIN_STYLE_P,
     correlation: float = 0.0,
 ) -> Scene:
@@ -339,7 +340,7 @@ def _pick(options: Sequence[str], u: float) -> str:
     return options[min(int(u * len(options)), len(options) - 1)]
 
 
-def captions(scene: Scene, seed: int) -> List[str]:
+def captions(scene: Scene, seed: int) -> list[str]:
     """One caption per image of the batch, deterministic by (seed, index)."""
     idx = scene.index
     us = {k: uniform(seed, idx, 200 + i) for i, k in enumerate(
@@ -384,7 +385,7 @@ def captions(scene: Scene, seed: int) -> List[str]:
     return out
 
 
-def vocabulary() -> List[str]:
+def vocabulary() -> list[str]:
     """Every word the captions, class names and templates of the toy world use."""
     words = set()
     tables = [_SHAPE_WORDS, _COLOUR_WORDS, _SIZE_WORDS, _POSITION_PHRASES, _PATTERN_ADJ, _PATTERN_WITH, _BG_PHRASES]
@@ -401,7 +402,7 @@ def vocabulary() -> List[str]:
     return sorted(words)
 
 
-def render_items(seed: int, index: np.ndarray, fixed: Optional[Dict[str, np.ndarray | int]] = None,
+def render_items(seed: int, index: np.ndarray, fixed: Optional[dict[str, np.ndarray | int]] = None,
                  style_p: Sequence[float] = PRETRAIN_STYLE_P) -> np.ndarray:
     """Convenience: sample scenes and render them in one call."""
     return render(sample_scene(seed, index, fixed, style_p), seed)

@@ -29,9 +29,9 @@ Images are 32x32 RGB, as in the first world, so the same tiny towers fit.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
@@ -55,7 +55,7 @@ class Family:
     zipf: float = 1.0  # concept frequency ~ rank^-zipf inside the family
 
 
-FAMILIES: Tuple[Family, ...] = (
+FAMILIES: tuple[Family, ...] = (
     Family("thing", "object", 120, "object", 1.0, 0.9, 0.22, 0.6),
     Family("beast", "object", 40, "animal", 0.45, 0.8, 0.09),
     Family("car", "object", 80, "car", 0.22, 0.6, 0.11),
@@ -90,7 +90,7 @@ class Concept:
     family: str
     rank: int  # rank inside its family (0 = most frequent in pretraining)
     name: str
-    params: Tuple[float, ...]  # the prototype, kind-specific (see _prototype)
+    params: tuple[float, ...]  # the prototype, kind-specific (see _prototype)
     colour: str  # the colour word closest to the main colour
     fill: str
 
@@ -122,9 +122,9 @@ def _nearest_colour(rgb: np.ndarray) -> str:
 
 
 @lru_cache(maxsize=1)
-def catalogue() -> Tuple[Concept, ...]:
+def catalogue() -> tuple[Concept, ...]:
     """Every concept of the world, in family order (ids 0..609), deterministic."""
-    out: List[Concept] = []
+    out: list[Concept] = []
     taken: set = set()
     cid = 0
     for fi, fam in enumerate(FAMILIES):
@@ -153,11 +153,11 @@ def _palette(p3: np.ndarray) -> np.ndarray:
     return np.stack([f(5), f(3), f(1)], -1) * 255
 
 
-def concepts_of(family: str) -> List[Concept]:
+def concepts_of(family: str) -> list[Concept]:
     return [c for c in catalogue() if c.family == family]
 
 
-def concept_by_name() -> Dict[str, Concept]:
+def concept_by_name() -> dict[str, Concept]:
     return {c.name: c for c in catalogue()}
 
 
@@ -178,7 +178,7 @@ def pretrain_concept_p() -> np.ndarray:
     return p / p.sum()
 
 
-def sample_pretrain(seed: int, index: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+def sample_pretrain(seed: int, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(concept ids, style ids) of pretraining images ``index``."""
     cdf = np.cumsum(pretrain_concept_p())
     c = np.minimum(np.searchsorted(cdf, uniform(seed, index, 1) * cdf[-1], side="right"), len(cdf) - 1)
@@ -200,7 +200,7 @@ def _pixel_u(seed: int, index: np.ndarray, stream: int) -> np.ndarray:
     return u.reshape(len(index), IMAGE_SIZE, IMAGE_SIZE).astype(np.float32)
 
 
-def _object(P: np.ndarray, U, scale: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+def _object(P: np.ndarray, U, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Objects: (image [B,H,W,3] over a random background, mask [B,H,W])."""
     cx = 16 + (U(20) - 0.5) * 8
     cy = 16 + (U(21) - 0.5) * 8
@@ -298,7 +298,7 @@ def _land(P: np.ndarray, U, seed: int, index: np.ndarray) -> np.ndarray:
     strip = np.sin(2 * math.pi * xr / period) > (P[:, 1] * 1.6 - 0.8 + (U(22) - 0.5) * 0.8)[:, None, None]
     noise = _pixel_u(seed, index, 40)
     blotch = noise < (P[:, 2] * (0.5 + U(23)))[:, None, None]
-    road = (np.abs(((yr + 40) % (8 + 16 * P[:, 3])[:, None, None])) < 1.2) & (P[:, 4] > 0.5)[:, None, None]
+    road = (np.abs((yr + 40) % (8 + 16 * P[:, 3])[:, None, None]) < 1.2) & (P[:, 4] > 0.5)[:, None, None]
     c1 = _palette(np.stack([0.15 + 0.5 * P[:, 5], 0.3 + 0.4 * P[:, 6], 0.2 + 0.4 * P[:, 7]], 1))[:, None, None, :]
     c2 = _palette(np.stack([0.15 + 0.5 * P[:, 8], 0.3 + 0.4 * P[:, 9], 0.2 + 0.4 * P[:, 10]], 1))[:, None, None, :]
     jitter = lambda s: (np.stack([U(s), U(s + 1), U(s + 2)], 1) - 0.5) * 80  # noqa: E731
@@ -385,7 +385,7 @@ def _pick(options: Sequence[str], u: float) -> str:
     return options[min(int(u * len(options)), len(options) - 1)]
 
 
-def captions(concepts: np.ndarray, styles: np.ndarray, seed: int, index: np.ndarray) -> List[str]:
+def captions(concepts: np.ndarray, styles: np.ndarray, seed: int, index: np.ndarray) -> list[str]:
     """Pretraining captions: the concept's name with its family's ``name_p`` (else the family word), attribute
     words (colour half the time, the fill of objects a third), a style opener and sometimes ", a kind of <family
     word>"."""
@@ -417,7 +417,7 @@ def captions(concepts: np.ndarray, styles: np.ndarray, seed: int, index: np.ndar
     return out
 
 
-def vocabulary() -> List[str]:
+def vocabulary() -> list[str]:
     """Every word world 2's captions, class names and task templates use (the word tokenizer's vocabulary)."""
     words = set()
     for opts in STYLE_OPENERS.values():
@@ -432,7 +432,7 @@ def vocabulary() -> List[str]:
     return sorted(words)
 
 
-def render_pretrain(seed: int, index: np.ndarray) -> Tuple[np.ndarray, List[str]]:
+def render_pretrain(seed: int, index: np.ndarray) -> tuple[np.ndarray, list[str]]:
     """A pretraining batch: images uint8 [B,32,32,3] and captions."""
     index = np.asarray(index, dtype=np.int64)
     c, s = sample_pretrain(seed, index)

@@ -17,7 +17,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -27,17 +27,17 @@ from safetensors.torch import save_file
 
 import fewclip.datasets.world2 as w2
 from fewclip.backbones.backbone import build_open_clip_model, remove_final_ln, resolve_device
-from fewclip.utils.checksums import sha256_file
+from fewclip.backbones.geometry import Geometry, make_geometry
+from fewclip.backbones.tokenizer import WordTokenizer
 from fewclip.datasets.toypretrain import RECIPES as TOY_RECIPES
 from fewclip.datasets.toypretrain import TOY_MEAN, TOY_STD, _param_groups
-from fewclip.backbones.geometry import Geometry, make_geometry
+from fewclip.utils.checksums import sha256_file
 from fewclip.utils.io import atomic_write, atomic_write_text
 from fewclip.utils.rng import forked_global_rng
-from fewclip.backbones.tokenizer import WordTokenizer
 
 log = logging.getLogger(__name__)
 
-RECIPES: Dict[str, Dict] = {f"w2-{k[4:]}": v for k, v in TOY_RECIPES.items()}
+RECIPES: dict[str, dict] = {f"w2-{k[4:]}": v for k, v in TOY_RECIPES.items()}
 VOCAB_FILE = "w2-vocab.json"
 
 
@@ -75,7 +75,7 @@ def tokenizer(context_length: int = 16) -> WordTokenizer:
     return WordTokenizer(w2.vocabulary(), context_length=context_length)
 
 
-def model_config(cfg: World2PretrainConfig, vocab_size: int) -> Dict:
+def model_config(cfg: World2PretrainConfig, vocab_size: int) -> dict:
     recipe = RECIPES[cfg.recipe]
     extra = {"init_logit_bias": recipe["geometry_params"]["logit_bias"]} if recipe["geometry"] == "sigmoid" else {}
     return {
@@ -139,7 +139,7 @@ def pretrain(cfg: World2PretrainConfig):
 
     loader = torch.utils.data.DataLoader(_Stream(cfg.steps, cfg.batch_size, cfg.data_seed, tok), batch_size=None,
                                          num_workers=cfg.workers, prefetch_factor=4 if cfg.workers > 0 else None)
-    history: List[Dict] = []
+    history: list[dict] = []
     model.train()
     t0, ema = time.time(), None
     for step, (pixels, tokens) in enumerate(loader):
@@ -167,7 +167,7 @@ def pretrain(cfg: World2PretrainConfig):
 
 
 def save_reference(cfg: World2PretrainConfig, model: nn.Module, geometry: Geometry, tok: WordTokenizer,
-                   mcfg: Dict, history: List[Dict], out_dir: str | Path, train_time_s: float,
+                   mcfg: dict, history: list[dict], out_dir: str | Path, train_time_s: float,
                    device_name: str) -> Path:
     """Write ``<recipe>.safetensors`` (fp16), ``w2-vocab.json`` and the card ``<recipe>.yaml``."""
     out = Path(out_dir)

@@ -28,14 +28,13 @@ import hashlib
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Tuple
 
 import numpy as np
 from PIL import Image
 
+import fewclip.datasets.toyworld as toyworld
 import fewclip.datasets.world2 as w2
 from fewclip.data.base import DataConfig, Dataset, Item, register_dataset
-import fewclip.datasets.toyworld as toyworld
 from fewclip.datasets.toyworld import uniform
 
 _SPLIT_OFFSET = {"train": 0, "val": 10_000_000, "test": 20_000_000}
@@ -44,11 +43,11 @@ _SPLIT_OFFSET = {"train": 0, "val": 10_000_000, "test": 20_000_000}
 @dataclass(frozen=True)
 class World2TaskSpec:
     name: str
-    concepts: Tuple[int, ...]  # concept ids, in label order
-    templates: Tuple[str, ...]
+    concepts: tuple[int, ...]  # concept ids, in label order
+    templates: tuple[str, ...]
     style: str = "photo"
     difficulty: float = 0.0
-    per_class: Tuple[int, int, int] = (20, 4, 20)  # train, val, test images per class
+    per_class: tuple[int, int, int] = (20, 4, 20)  # train, val, test images per class
     seed_name: str = ""  # the name whose crc32 seeds the images (default: name); w2-net's targets share none
     description: str = ""
     like: str = ""
@@ -58,29 +57,29 @@ class World2TaskSpec:
         return zlib.crc32((self.seed_name or self.name).encode()) & 0x7FFFFFFF
 
     @property
-    def classnames(self) -> Tuple[str, ...]:
+    def classnames(self) -> tuple[str, ...]:
         cat = w2.catalogue()
         return tuple(cat[c].name for c in self.concepts)
 
 
-def _permuted(name: str, ids) -> Tuple[int, ...]:
+def _permuted(name: str, ids) -> tuple[int, ...]:
     ids = np.asarray(list(ids), dtype=np.int64)
     order = np.argsort(uniform(zlib.crc32(name.encode()), np.arange(len(ids)), 77), kind="stable")
     return tuple(int(i) for i in ids[order])
 
 
-def _family(name: str) -> Tuple[int, ...]:
+def _family(name: str) -> tuple[int, ...]:
     return tuple(c.id for c in w2.concepts_of(name))
 
 
-def _templates(word: str) -> Tuple[str, ...]:
+def _templates(word: str) -> tuple[str, ...]:
     # The first is CoOp's plain template (data.templates=single); the rest the ensemble, in the manner of
     # CoOp's per-dataset templates ("a photo of a {}, a type of pet.").
     return ("a photo of a {}.", f"a photo of a {{}}, a kind of {word}.", "a {}.", "an image of a {}.",
             f"a {{}}, a kind of {word}.")
 
 
-TASKS: Dict[str, World2TaskSpec] = {}
+TASKS: dict[str, World2TaskSpec] = {}
 
 
 def _add(spec: World2TaskSpec) -> None:
@@ -137,7 +136,7 @@ class World2Task(Dataset):
                          splits=splits)
         self.spec = spec
         self.generator = generator_identity(spec)
-        self._cache: Dict[str, np.ndarray] = {}
+        self._cache: dict[str, np.ndarray] = {}
 
     def render_split(self, split: str) -> np.ndarray:
         if split not in self._cache:
@@ -160,7 +159,7 @@ class World2Task(Dataset):
         return Image.fromarray(self.render_split(split)[int(i)])
 
 
-_CODE_DIGEST: Dict[str, str] = {}
+_CODE_DIGEST: dict[str, str] = {}
 
 
 def generator_identity(spec: World2TaskSpec) -> str:
@@ -170,7 +169,7 @@ def generator_identity(spec: World2TaskSpec) -> str:
         for module in (toyworld.__file__, w2.__file__, __file__):
             h.update(Path(module).read_bytes())
         _CODE_DIGEST["code"] = h.hexdigest()
-    return "world2:" + hashlib.sha256(f"{_CODE_DIGEST['code']}/{spec!r}".encode("utf-8")).hexdigest()[:32]
+    return "world2:" + hashlib.sha256(f"{_CODE_DIGEST['code']}/{spec!r}".encode()).hexdigest()[:32]
 
 
 def _builder(name: str):

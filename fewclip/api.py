@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 from omegaconf import OmegaConf
 
@@ -60,10 +61,10 @@ def _value(v: Any) -> str:
     return json.dumps(v)  # numbers, booleans, None (null), lists: JSON is YAML's flow style
 
 
-def to_args(keys: Mapping[str, Any], prefix: str = "") -> List[str]:
+def to_args(keys: Mapping[str, Any], prefix: str = "") -> list[str]:
     """``{"shots": 4, "data": {"name": "toy-shapes"}}`` -> ``["shots=4", "data.name=toy-shapes"]``: keyword
     arguments as the command line's ``key=value`` strings (None values are left out: the config's default)."""
-    out: List[str] = []
+    out: list[str] = []
     for key, value in keys.items():
         if value is None:
             continue
@@ -85,7 +86,7 @@ class Run:
     """A finished run's folder: its metrics, config and split, and its trained classifier."""
 
     dir: Path
-    metrics: Dict[str, Any]
+    metrics: dict[str, Any]
     _classifier: Any = field(default=None, repr=False, compare=False)
 
     @property
@@ -94,7 +95,7 @@ class Run:
         return self.metrics.get("top1")
 
     @property
-    def config(self) -> Dict[str, Any]:
+    def config(self) -> dict[str, Any]:
         """The run's resolved config (``config.yaml``) as a plain dict."""
         return OmegaConf.to_container(OmegaConf.load(self.dir / "config.yaml"), resolve=True)
 
@@ -188,7 +189,7 @@ class SweepResult:
     its one-line error and log) and its report (None when ``report`` was off or no run finished)."""
 
     out: Path
-    counts: Dict[str, Any]
+    counts: dict[str, Any]
     report: Any = None
 
     @property
@@ -227,16 +228,16 @@ def report(run_root: Union[PathLike, Sequence[PathLike]], out_dir: Optional[Path
 # ---------------------------------------------------------------------------
 
 
-def list_adapters() -> List[str]:
+def list_adapters() -> list[str]:
     """The registered methods (fewclip's and installed plugins'), by name."""
     return ADAPTERS.names()
 
 
-def list_datasets() -> List[str]:
+def list_datasets() -> list[str]:
     """The registered datasets (fewclip's and installed plugins'), by name."""
     return DATASETS.names()
 
 
-def list_backbones() -> List[Dict[str, str]]:
+def list_backbones() -> list[dict[str, str]]:
     """The backbones fewclip can load: shipped reference cards and open_clip architectures, with geometry."""
     return _list_backbones()

@@ -52,14 +52,27 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Optional
 
 import torch
 
-from fewclip.backbones.attention import (CLS_MODES, SHAPES, LocalAttentionConfig, TextWindowConfig, VisionWindowConfig,
-                               Window, _heads, _MaskCache, apply_local_attention, attend, flex_available,
-                               text_tower_parts, vision_tower_parts)
+from fewclip.backbones.attention import (
+    CLS_MODES,
+    SHAPES,
+    LocalAttentionConfig,
+    TextWindowConfig,
+    VisionWindowConfig,
+    Window,
+    _heads,
+    _MaskCache,
+    apply_local_attention,
+    attend,
+    flex_available,
+    text_tower_parts,
+    vision_tower_parts,
+)
 from fewclip.backbones.backbone import backbone_config_from_dict, load_backbone, resolve_device
 from fewclip.config.compose import as_dict, load_config
 from fewclip.utils.io import atomic_write_json
@@ -75,7 +88,7 @@ TOWERS = {
 IMPLS = ("mask", "flex")
 
 
-def split(s: Any) -> List[str]:
+def split(s: Any) -> list[str]:
     return [t.strip() for t in str(s).split(",") if t.strip()]
 
 
@@ -183,7 +196,7 @@ def with_window(model: torch.nn.Module, tower: Tower, k: int, shape: str, cls: s
     return m
 
 
-def bench_tower(tower: Tower, bb, cfg: BenchConfig, impls: List[str], report: Callable[[Dict], None]) -> None:
+def bench_tower(tower: Tower, bb, cfg: BenchConfig, impls: list[str], report: Callable[[dict], None]) -> None:
     dev, dtype, B = bb.device, bb.dtype, cfg.batch
     H, d, L = tower.heads, tower.head_dim, tower.tokens
     # q, k, v laid out as the tower lays them out: one packed projection, split into heads
@@ -237,7 +250,7 @@ HEADER = ("| tower | tokens | impl | shape | window | attention ms | vs full | t
           "|---|---:|---|---|---:|---:|---:|---:|---:|---:|")
 
 
-def table_row(r: Dict) -> str:
+def table_row(r: dict) -> str:
     window = "full" if r["window"] is None else r["window"]
     blocks = "-" if r["flex_blocks_pct"] is None else f"{r['flex_blocks_pct']:g}%"
     return (f"| {r['tower']} | {r['tokens']} | {r['impl']} | {r['shape'] or '-'} | {window} | "
@@ -266,7 +279,7 @@ def main(argv):
           f"median of {cfg.steps} steps after {cfg.warmup} warm-up, class token {cfg.cls}, on {where}, "
           f"torch {torch.__version__}")
     print(HEADER, flush=True)
-    rows: List[Dict] = []
+    rows: list[dict] = []
 
     def report(r):
         rows.append(r)

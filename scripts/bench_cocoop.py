@@ -24,7 +24,6 @@ measured on the same images. Images are random pixels: the timing does not depen
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import List
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +43,7 @@ class BenchConfig:
     faithful_steps: int = 2
     fast_steps: int = 8
     # Row lengths of the packing to time besides the default (0: all classes in one row).
-    rows: List[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
     threads: int = 0
 
 

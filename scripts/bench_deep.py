@@ -51,7 +51,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -74,7 +74,7 @@ PROCEDURES = {
 }
 
 
-def split(s: Any) -> List[str]:
+def split(s: Any) -> list[str]:
     return [t.strip() for t in str(s).split(",") if t.strip()]
 
 
@@ -111,7 +111,7 @@ class BenchConfig:
             raise ValueError(f"amp must be bf16, fp16 or none, got {self.amp!r}")
 
 
-def classnames(n: int, tokenizer) -> List[str]:
+def classnames(n: int, tokenizer) -> list[str]:
     """ImageNet's first ``n`` class names; for a word tokenizer that lacks their words (the toy cards), pairs
     of its own words."""
     from itertools import product
@@ -130,7 +130,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_worker(cfg: BenchConfig) -> Dict:
+def run_worker(cfg: BenchConfig) -> dict:
     from fewclip.adapters import adapter_info, build_adapter
     from fewclip.training.engine import TrainConfig, amp_autocast, make_optimizer
 
@@ -214,7 +214,7 @@ def run_worker(cfg: BenchConfig) -> Dict:
                 before_mib=before / MiB, peak_mib=peak / MiB, step_extra_mib=max(peak - before, 0) / MiB)
 
 
-def run_one(cfg: BenchConfig, worker: str, device: str, tmp: str) -> Dict:
+def run_one(cfg: BenchConfig, worker: str, device: str, tmp: str) -> dict:
     path = os.path.join(tmp, worker.replace(":", "_") + ".json")
     keep = {k: v for k, v in as_dict(cfg).items() if v is not None and k not in ("out", "worker", "worker_out")}
     keep["device"] = device
@@ -237,7 +237,7 @@ def main(argv):
         atomic_write_json(cfg.worker_out, run_worker(cfg))
         return
     dev = resolve_device(cfg.device)
-    rows: List[Dict] = []
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench_deep_") as tmp:
         for m in split(cfg.methods):
             for p in split(cfg.procedures):

@@ -58,7 +58,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -80,7 +80,7 @@ METHODS = {
 }
 
 
-def split(s: Any) -> List[str]:
+def split(s: Any) -> list[str]:
     return [t.strip() for t in str(s).split(",") if t.strip()]
 
 
@@ -135,7 +135,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_worker(cfg: BenchConfig) -> Dict:
+def run_worker(cfg: BenchConfig) -> dict:
     from fewclip.adapters import adapter_info, build_adapter
     from fewclip.training.engine import TrainConfig, amp_autocast, make_optimizer
 
@@ -206,7 +206,7 @@ def run_worker(cfg: BenchConfig) -> Dict:
 # ---------------------------------------------------------------------------
 
 
-def run_method(cfg: BenchConfig, method: str, device: str, tmp: str) -> Dict:
+def run_method(cfg: BenchConfig, method: str, device: str, tmp: str) -> dict:
     """Run one method in a fresh process and read back its row."""
     path = os.path.join(tmp, f"{method}.json")
     keep = {k: v for k, v in as_dict(cfg).items() if v is not None and k not in ("out", "worker", "worker_out")}
@@ -223,7 +223,7 @@ HEADER = ("| method | what | trainable params | vs coop | s/step | before step (
           "| step extra (MiB) |\n|---|---|---:|---:|---:|---:|---:|---:|")
 
 
-def table_row(r: Dict, coop: Optional[int]) -> str:
+def table_row(r: dict, coop: Optional[int]) -> str:
     ratio = f"{r['trainable_params'] / coop:.2f}x" if coop else "-"
     return (f"| {r['method']} | {METHODS[r['method']][2]} | {r['trainable_params']:,} | {ratio} | "
             f"{r['s_per_step']:.4f} | {r['before_mib']:.1f} | {r['peak_mib']:.1f} | {r['step_extra_mib']:.1f} |")
@@ -242,7 +242,7 @@ def main(argv):
 
     dev = resolve_device(cfg.device)
     methods = split(cfg.methods)
-    rows: List[Dict] = []
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench_lora_") as tmp:
         for m in methods:
             log.info("%s: running %d step(s) in a fresh process ...", m, cfg.steps)

@@ -22,14 +22,13 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import List
 
 import torch
 import torch.nn.functional as F
 
-from fewclip.config.compose import load_config
-from fewclip.backbones.geometry import make_geometry
 from fewclip.adapters.proker import CG_DTYPES, KernelOperator, NystromPreconditioner, kernel, solve_cg, solve_direct
+from fewclip.backbones.geometry import make_geometry
+from fewclip.config.compose import load_config
 
 
 class TimedOperator(KernelOperator):
@@ -46,7 +45,7 @@ class TimedOperator(KernelOperator):
 
 @dataclass
 class BenchConfig:
-    classes: List[int] = field(default_factory=lambda: [100])
+    classes: list[int] = field(default_factory=lambda: [100])
     shots: int = 16
     views: int = 10
     dim: int = 512

@@ -19,8 +19,8 @@ import numpy as np
 from PIL import Image
 
 from fewclip.backbones.backbone import BackboneConfig, load_backbone
-from fewclip.datasets import DataConfig, build_dataset
 from fewclip.data.image_fingerprint import changed, fingerprint
+from fewclip.datasets import DataConfig, build_dataset
 from fewclip.features.encode import extract_features
 
 

@@ -50,12 +50,12 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
-
 from bench_deep import classnames, split, sync
+
 from fewclip.adapters._deep import text_lower_blocks
 from fewclip.backbones.backbone import BackboneConfig, load_backbone, resolve_device, shipped_cards
 from fewclip.config.compose import as_dict, load_config
@@ -135,7 +135,7 @@ def build(method: str, procedure: str, bb, names):
     return adapter
 
 
-def run_worker(cfg: BenchConfig) -> Dict:
+def run_worker(cfg: BenchConfig) -> dict:
     from fewclip.training.engine import TrainConfig, amp_autocast, make_optimizer
 
     method, procedure = cfg.worker.split(":")
@@ -188,7 +188,7 @@ def run_worker(cfg: BenchConfig) -> Dict:
                 before_mib=before / MiB, peak_mib=peak / MiB, step_extra_mib=max(peak - before, 0) / MiB)
 
 
-def run_one(cfg: BenchConfig, worker: str, device: str, tmp: str) -> Dict:
+def run_one(cfg: BenchConfig, worker: str, device: str, tmp: str) -> dict:
     path = os.path.join(tmp, worker.replace(":", "_") + ".json")
     keep = {k: v for k, v in as_dict(cfg).items() if v is not None and k not in ("out", "worker", "worker_out")}
     keep["device"] = device
@@ -211,7 +211,7 @@ def main(argv):
         atomic_write_json(cfg.worker_out, run_worker(cfg))
         return
     dev = resolve_device(cfg.device)
-    rows: List[Dict] = []
+    rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench_towers_") as tmp:
         for m in split(cfg.methods):
             for p in split(cfg.procedures):

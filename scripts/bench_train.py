@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from fewclip.backbones.backbone import BackboneConfig, load_backbone
-from fewclip.training.compiled import compile_text_step, fused_supported, uncompile_text_step
 from fewclip.config.compose import load_config
+from fewclip.training.compiled import compile_text_step, fused_supported, uncompile_text_step
 
 
 @dataclass

@@ -47,11 +47,11 @@ def main(argv):
     from fewclip.adapters import build_adapter
     from fewclip.adapters._cache import search_alpha_beta
     from fewclip.backbones.backbone import BackboneConfig, load_backbone
+    from fewclip.data.splits import test_items
     from fewclip.datasets import DataConfig, build_dataset, make_few_shot_split
-    from fewclip.training.engine import RunFeatures
     from fewclip.features.encode import FeatureCache
     from fewclip.runs.run import load_train_config
-    from fewclip.data.splits import test_items
+    from fewclip.training.engine import RunFeatures
 
     wide = [float(v) for v in torch.logspace(-1, 3, 41)]
     print("test top-1 (%); tip: chosen / oracle on the default grid / oracle on a wide grid; "

@@ -26,9 +26,10 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any
 
 import torch
 from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES
@@ -39,6 +40,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_train  # noqa: E402  (scripts/bench_train.py: the CoOp epoch)
+
 from fewclip.adapters import adapter_info, build_adapter  # noqa: E402
 from fewclip.backbones.backbone import BackboneConfig, load_backbone  # noqa: E402
 from fewclip.config.compose import load_config  # noqa: E402
@@ -82,7 +84,7 @@ def gemm_tflops(n: int, device: torch.device, dtype=torch.bfloat16, steps: int =
     return 2 * n ** 3 / timed(lambda: a @ b, device, steps) / 1e12
 
 
-def text_step(bb, key: str, classnames: List[str], amp: str, steps: int) -> Dict[str, Any]:
+def text_step(bb, key: str, classnames: list[str], amp: str, steps: int) -> dict[str, Any]:
     """One text step of method ``key`` (forward and backward through every class prompt): seconds, FLOPs
     (counted by torch's FLOP counter), achieved TFLOP/s and peak memory (CUDA only)."""
     name = key.split("_")[0]
@@ -113,7 +115,7 @@ def text_step(bb, key: str, classnames: List[str], amp: str, steps: int) -> Dict
             "tflops": flops / seconds / 1e12, "peak_gb": None if peak is None else peak / 1e9}
 
 
-def extraction(bb, batch: int, amp: str, steps: int) -> Dict[str, Any]:
+def extraction(bb, batch: int, amp: str, steps: int) -> dict[str, Any]:
     """Images per second of ``Backbone.encode_images`` and of bare open_clip ``model.encode_image`` on the same
     pixels (already on the device), batch and precision."""
     device = bb.device
@@ -125,7 +127,7 @@ def extraction(bb, batch: int, amp: str, steps: int) -> Dict[str, Any]:
             "share": bare / ours}
 
 
-def run_tests() -> Dict[str, Any]:
+def run_tests() -> dict[str, Any]:
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
                            str(ROOT / "tests")], cwd=ROOT, capture_output=True, text=True)
@@ -133,7 +135,7 @@ def run_tests() -> Dict[str, Any]:
     return {"passed": proc.returncode == 0, "summary": tail[0], "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def markdown(result: Dict[str, Any]) -> str:
+def markdown(result: dict[str, Any]) -> str:
     t = TARGETS
     lines = [f"GPU check: {result['device']}, torch {result['torch']}, {result['date']}", "",
              "| target | measured | goal | met |", "|---|---|---|---|"]
@@ -161,13 +163,13 @@ def markdown(result: Dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     cfg = load_config(argv, CheckConfig)
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU on this machine; nothing to check (the CPU tests cover the rest).")
         return 0
     device = torch.device("cuda")
-    result: Dict[str, Any] = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
                               "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                                          time.gmtime())}
     if cfg.tests:

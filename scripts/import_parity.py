@@ -28,12 +28,21 @@ import torch
 TESTS = Path(__file__).resolve().parents[1] / "tests"
 sys.path.insert(0, str(TESTS))
 
-from helpers.checkpoints import (CLASSNAMES, MERU_IMPORT_OPTIONS, TEMPLATES, euclip_model_config,  # noqa: E402
-                                meru_checkpoint, open_clip_train_checkpoint, openai_archive, tiny_euclip_state_dict,
-                                tiny_images, tiny_meru_state_dict, tiny_openai_fp16)
-
-from fewclip.features.encode import text_prototypes  # noqa: E402
 from fewclip.backbones.importer import import_checkpoint  # noqa: E402
+from fewclip.features.encode import text_prototypes  # noqa: E402
+from helpers.checkpoints import (  # noqa: E402
+    CLASSNAMES,
+    MERU_IMPORT_OPTIONS,
+    TEMPLATES,
+    euclip_model_config,
+    meru_checkpoint,
+    open_clip_train_checkpoint,
+    openai_archive,
+    tiny_euclip_state_dict,
+    tiny_images,
+    tiny_meru_state_dict,
+    tiny_openai_fp16,
+)
 
 
 def zeroshot(bb) -> torch.Tensor:

@@ -39,9 +39,9 @@ def main(argv) -> int:
     if bad:
         print(f"literature_check: unknown protocol(s) {bad}; pick from {', '.join(SWEEPS)}", file=sys.stderr)
         return 2
-    from fewclip.utils.errors import FewclipError
     from fewclip.report.literature import load_sweep_runs, measured_side, published_side, render
     from fewclip.runs.sweep import load_sweep_config, run_sweep
+    from fewclip.utils.errors import FewclipError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     folders, failed = [], 0

@@ -13,12 +13,12 @@ import time
 import torch
 
 from fewclip.backbones.backbone import BackboneConfig, load_backbone
-from fewclip.utils.logs import setup_logging
 from fewclip.config.compose import load_config
 from fewclip.datasets import DataConfig, build_dataset
-from fewclip.datasets.toytasks import TASKS
 from fewclip.datasets.toypretrain import PretrainConfig, pretrain, save_reference
+from fewclip.datasets.toytasks import TASKS
 from fewclip.runs.run import score_zeroshot
+from fewclip.utils.logs import setup_logging
 
 
 def main(argv):

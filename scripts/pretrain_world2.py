@@ -8,12 +8,12 @@ Writes the weights (fp16 safetensors, < 1 MB), ``w2-vocab.json`` and the card ``
 1-shot nearest-neighbour accuracy per world-2 task. On a CPU shared with other jobs use one thread: two threads
 there ran about ten times slower per step (each waits for the other when it is descheduled).
 """
+import logging
 import sys
 import time
 
 import torch
 
-import logging
 from fewclip.config.compose import load_config
 from fewclip.datasets.world2pretrain import World2PretrainConfig, pretrain, save_reference
 

@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 
 from fewclip.backbones.backbone import REFERENCE_DIR, BackboneConfig, load_backbone, shipped_cards
-from fewclip.utils.logs import setup_logging
-from fewclip.datasets import DataConfig, build_dataset
 from fewclip.data.protocols import plan_base2new
-from fewclip.datasets.toytasks import TASKS
-from fewclip.utils.io import atomic_write_json
-from fewclip.runs.run import score_zeroshot
 from fewclip.data.splits import TEST_SUBSET_SEED
+from fewclip.datasets import DataConfig, build_dataset
+from fewclip.datasets.toytasks import TASKS
+from fewclip.runs.run import score_zeroshot
+from fewclip.utils.io import atomic_write_json
+from fewclip.utils.logs import setup_logging
 
 log = logging.getLogger("fewclip.record_reference_zeroshot")
 

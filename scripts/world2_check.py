@@ -16,11 +16,11 @@ import numpy as np
 import torch
 
 from fewclip.backbones.backbone import BackboneConfig, load_backbone
+from fewclip.data.splits import sample_few_shot, test_items
 from fewclip.datasets import DataConfig, build_dataset
 from fewclip.datasets.world2tasks import DOMAIN_SHIFT_TARGETS, FEWSHOT_TASKS
 from fewclip.features.encode import extract_features
 from fewclip.runs.run import score_zeroshot
-from fewclip.data.splits import sample_few_shot, test_items
 
 
 @dataclass

@@ -8,9 +8,9 @@ from fewclip.adapters import ADAPTERS, AdapterConfig, adapter_info, build_adapte
 from fewclip.backbones.backbone import BackboneConfig, load_backbone
 from fewclip.config.compose import ConfigError
 from fewclip.datasets import make_few_shot_split
-from fewclip.training.engine import FitData, TrainConfig
 from fewclip.features.encode import Features, extract_features, text_prototypes
 from fewclip.runs.run import load_train_config
+from fewclip.training.engine import FitData, TrainConfig
 
 BACKBONES = ["toy-clip", "toy-meru"]  # clip and hyperbolic geometry
 

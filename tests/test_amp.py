@@ -5,16 +5,15 @@ the geometry's maps, distances, time component and bias stay in float32 under an
 keys the backbone's precision, so bf16 and fp32 features never mix.
 """
 import pytest
-from conftest import method_geometry_params
 import torch
+from conftest import method_geometry_params
 
 from fewclip.adapters import ADAPTERS, adapter_info, build_adapter
 from fewclip.backbones.backbone import BackboneConfig, load_backbone
-from fewclip.training.engine import AMP_MODES, CachedFeatures, FeatureSource, FitData, TrainConfig, amp_autocast, amp_dtype, \
-    train_loop
-from fewclip.features.encode import FeatureCache, Features
 from fewclip.backbones.geometry import exp_map0, make_geometry
+from fewclip.features.encode import FeatureCache, Features
 from fewclip.features.store import FeatureStore
+from fewclip.training.engine import AMP_MODES, CachedFeatures, FeatureSource, FitData, TrainConfig, amp_autocast, amp_dtype, train_loop
 from helpers.audit import CLASSNAMES, GEOMETRY_NAMES, TEMPLATES, backbones  # noqa: F401  (fixture)
 
 CPU = torch.device("cpu")

@@ -6,10 +6,18 @@ import torch
 from omegaconf import OmegaConf
 
 from fewclip.adapters.coop import CoOp, CoOpConfig
-from fewclip.backbones.attention import (LocalAttention, LocalAttentionConfig, SplitAttention, Window, apply_local_attention,
-                               attend, pack_split_state, parse_layers, split_attention)
-from fewclip.backbones.backbone import BackboneConfig, BackboneError, backbone_config_from_dict, build_open_clip_model, \
-    load_backbone
+from fewclip.backbones.attention import (
+    LocalAttention,
+    LocalAttentionConfig,
+    SplitAttention,
+    Window,
+    apply_local_attention,
+    attend,
+    pack_split_state,
+    parse_layers,
+    split_attention,
+)
+from fewclip.backbones.backbone import BackboneConfig, BackboneError, backbone_config_from_dict, build_open_clip_model, load_backbone
 from fewclip.config.compose import ConfigError, load_config
 from fewclip.features.encode import text_prototypes
 from helpers.cards import SHAPES, tiny_model_config, write_card
@@ -342,8 +350,8 @@ def test_compiled_flex_on_the_cpu_equals_the_mask_path():
 
 
 def test_exported_prompts_rebuild_the_windowed_backbone(tmp_path):
-    from fewclip.adapters.coop_export import export_prompts
     from fewclip.adapter.exports import load_prompts
+    from fewclip.adapters.coop_export import export_prompts
 
     cfg = backbone_config_from_dict({"name": "toy-clip", "device": "cpu", "local_attention": {
         "text": {"window": 2}, "vision": {"window": 1, "shape": "grid"}}})

@@ -20,9 +20,9 @@ from fewclip.backbones.backbone import (
     sha256_file,
     shipped_cards,
 )
+from fewclip.backbones.tokenizer import WordTokenizer
 from fewclip.config.compose import load_config
 from fewclip.features.encode import text_prototypes
-from fewclip.backbones.tokenizer import WordTokenizer
 
 CLASSNAMES = ["cat", "dog", "golden retriever"]
 TEMPLATES = ["a photo of a {}.", "a drawing of the {}.", "itap of a {}."]

@@ -10,12 +10,12 @@ from PIL import Image
 
 import fewclip.training.evals
 from fewclip.adapter.base import Adapter
+from fewclip.adapter.exports import load_image
 from fewclip.cli.main import main
 from fewclip.config.compose import ConfigError, load_config
-from fewclip.datasets import DataConfig, Dataset, DatasetError, build_dataset, check_classnames, sample_few_shot
 from fewclip.data.base import to_rgb
+from fewclip.datasets import DataConfig, Dataset, DatasetError, build_dataset, check_classnames, sample_few_shot
 from fewclip.training.engine import TrainConfig
-from fewclip.adapter.exports import load_image
 
 TRAIN = ["train", "data=toy-shapes", "shots=1", "seed=1", "train.epochs=1", "train.augment_views=1",
          "data.max_test=8", "backbone.device=cpu"]

@@ -14,15 +14,12 @@ from fewclip.adapters.lpp import LPP, LPPConfig
 from fewclip.adapters.taskres import TaskRes, TaskResConfig
 from fewclip.adapters.tip_adapter import TipAdapter, TipAdapterConfig
 from fewclip.adapters.tip_adapter_f import TipAdapterF, TipAdapterFConfig
-from fewclip.datasets import Item
-from fewclip.training.engine import FitData, TrainConfig
-from fewclip.features.encode import Features, text_prototypes
 from fewclip.backbones.geometry import GEOMETRIES, exp_map0, l2_normalize, lorentz_time, make_geometry
-from helpers.cards import CARD_GEOMETRIES, SIGLIP_TEXT, backbone, cards, image_features  # noqa: F401  (cards: fixture)
+from fewclip.datasets import Item
+from fewclip.features.encode import Features, text_prototypes
+from fewclip.training.engine import FitData, TrainConfig
 from helpers.cache import EVERY, NAMES, PARAMS, TEMPLATES, TableBackbone, zero_shot  # noqa: F401
-
-
-
+from helpers.cards import CARD_GEOMETRIES, SIGLIP_TEXT, backbone, cards, image_features  # noqa: F401  (cards: fixture)
 
 
 def fitted_cache(cls, cfg, bb, feats):

@@ -17,10 +17,10 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from fewclip.backbones.backbone import build_open_clip_model
-from fewclip.data.class_names import class_keys, identical_prompt_groups
 from fewclip.cli.main import main
-from fewclip.datasets import DataConfig, Dataset, build_dataset
+from fewclip.data.class_names import class_keys, identical_prompt_groups
 from fewclip.data.protocols import class_map
+from fewclip.datasets import DataConfig, Dataset, build_dataset
 
 # A tiny open_clip model with CLIP's BPE tokenizer (so ImageNet's names are real words to it), random weights.
 TINY = {"embed_dim": 16,
@@ -220,8 +220,8 @@ def test_a_feature_files_classes_keep_their_own_text_rows_when_names_repeat():
     """A feature backbone looks prompts up by their text; asked for its own classes it gives each class its own
     row, by label, so two classes named alike keep different text features where the file has them."""
     from fewclip.backbones.feature_backbone import FeatureBackbone
-    from fewclip.features.encode import text_prototypes
     from fewclip.backbones.geometry import make_geometry
+    from fewclip.features.encode import text_prototypes
 
     text = torch.randn(3, 1, 8, generator=torch.Generator().manual_seed(0))
     fb = FeatureBackbone(make_geometry("clip"), ["missile", "missile", "kite"], ["{}"], text)

@@ -15,8 +15,8 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fewclip.cli.main import main
 from fewclip.adapter.exports import METADATA_KEY
+from fewclip.cli.main import main
 from fewclip.runs.export import export_run
 
 TINY = ["data.max_test=8", "backbone.device=cpu"]

@@ -6,14 +6,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from fewclip.adapter.exports import load_prompts
 from fewclip.adapters import build_adapter
 from fewclip.adapters.clip_svd import ClipSVD, ClipSVDConfig, SVDLinear
 from fewclip.backbones.backbone import build_open_clip_model
 from fewclip.config.compose import ConfigError
-from fewclip.adapter.exports import load_prompts
+from fewclip.data.splits import test_items as run_test_items
 from fewclip.features.encode import text_prototypes
 from fewclip.runs.run import load_train_config, run_train
-from fewclip.data.splits import test_items as run_test_items
 from helpers.cards import CARD_GEOMETRIES, SIGLIP_TEXT, backbone, cards  # noqa: F401  (cards is a fixture)
 
 TOY = ["toy-clip", "toy-euclip", "toy-meru", "toy-siglip"]
@@ -113,9 +113,9 @@ def test_a_run_trains_the_singular_values(svd_run):
 
 
 def test_export_merge_and_predict(svd_run, tmp_path, shapes):
+    from fewclip.adapter.exports import read_metadata
     from fewclip.backbones.backbone import _card_model_config, read_card, shipped_cards
     from fewclip.cli.main import main
-    from fewclip.adapter.exports import read_metadata
     from fewclip.runs.export import export_run
 
     out, m = svd_run

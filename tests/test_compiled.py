@@ -5,9 +5,9 @@ import torch
 import fewclip.training.compiled as compiled
 from fewclip.adapters import adapter_info, build_adapter
 from fewclip.backbones.backbone import BackboneConfig, load_backbone
+from fewclip.features.encode import Features
 from fewclip.training.compiled import COMPILE_MODES, StepTuner, compile_text_step, is_compiled, uncompile_text_step
 from fewclip.training.engine import CachedFeatures, TrainConfig, make_optimizer, train_loop
-from fewclip.features.encode import Features
 
 CLASSNAMES = ["circle", "square", "star", "golden retriever"]
 # The prompt methods whose text side is compiled: CoOp unified and CSC, the CoCoOp family, the deep prompts.

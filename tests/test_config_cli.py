@@ -9,7 +9,6 @@ from fewclip.cli.main import main
 from fewclip.config.compose import ConfigError, RunConfig, load_config, split_args
 from fewclip.runs.run import load_train_config
 
-
 # ---------------------------------------------------------------- config
 
 

@@ -10,23 +10,19 @@ from safetensors.torch import save_file
 from fewclip.adapters import ADAPTERS, build_adapter
 from fewclip.adapters.coop import CoOp, CoOpConfig
 from fewclip.features.encode import text_prototypes
-from helpers.cards import (CARD_GEOMETRIES, CLASSNAMES, CONTEXT, POSITIONS, SHAPES, SIGLIP_TEXT,  # noqa: F401
-                           TOY_BACKBONES, backbone, cards, classes_for, image_features)
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
+from helpers.cards import (  # noqa: F401
+    CARD_GEOMETRIES,
+    CLASSNAMES,
+    CONTEXT,
+    POSITIONS,
+    SHAPES,
+    SIGLIP_TEXT,
+    TOY_BACKBONES,
+    backbone,
+    cards,
+    classes_for,
+    image_features,
+)
 
 
 def assert_reproduces_zero_shot(adapter: CoOp, bb, classnames, feats):

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers.coop_trees import FIXTURE, make_tree
 from fewclip.cli.main import main
-from fewclip.data.coop_sampler import coop_split
 from fewclip.data.base import DataConfig, build_dataset
+from fewclip.data.coop_sampler import coop_split
 from fewclip.data.split_files import SplitFileError, read_file, resolve
 from fewclip.data.splits import make_few_shot_split
+from helpers.coop_trees import FIXTURE, make_tree
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from fewclip.data.coop_sampler import coop_split, dassl_draw, draw_split
 from fewclip.data.base import DataConfig, DatasetError, build_dataset
+from fewclip.data.coop_sampler import coop_split, dassl_draw, draw_split
 from fewclip.data.protocols import make_plan
 from fewclip.data.splits import make_few_shot_split
-
 from helpers.coop_trees import DATASETS, REF, make_tree
 
 

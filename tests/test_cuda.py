@@ -15,10 +15,10 @@ import torch
 from fewclip.adapters import ADAPTERS, adapter_info, build_adapter
 from fewclip.backbones.backbone import BackboneConfig, load_backbone
 from fewclip.cli.main import main
-from fewclip.training.compiled import compile_text_step, uncompile_text_step
-from fewclip.training.engine import CachedFeatures, FitData, TrainConfig, amp_autocast, train_loop
 from fewclip.features.encode import FeatureCache, Features
 from fewclip.features.store import FeatureStore
+from fewclip.training.compiled import compile_text_step, uncompile_text_step
+from fewclip.training.engine import CachedFeatures, FitData, TrainConfig, amp_autocast, train_loop
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.py)")]

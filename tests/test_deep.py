@@ -21,19 +21,6 @@ from helpers.cards import CARD_GEOMETRIES, SHAPES
 from helpers.deep import CLASSNAMES, TOY, cards, load, pixels, snapshot, unchanged  # noqa: F401
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
 def close(a, b, tol=1e-6):
     torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
@@ -360,8 +347,8 @@ def test_gpa_loads_the_weighted_sum_after_the_last_epoch():
 
 def test_engine_gives_promptsrc_the_frozen_features_of_the_same_view(shapes, tmp_path):
     from fewclip.datasets import make_few_shot_split
-    from fewclip.training.engine import FreshImages, RunFeatures, TrainConfig
     from fewclip.features.encode import FeatureCache
+    from fewclip.training.engine import FreshImages, RunFeatures, TrainConfig
 
     bb = load("toy-clip")
     split = make_few_shot_split(shapes, 1, seed=2)

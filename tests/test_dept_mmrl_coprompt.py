@@ -16,9 +16,9 @@ from fewclip.adapters.dept import DePT, DePTConfig
 from fewclip.adapters.maple import MaPLe
 from fewclip.adapters.mmrl import MMRL, MMRLConfig
 from fewclip.cli.main import main
-from fewclip.training.engine import CachedFeatures, TrainConfig, train_loop
-from fewclip.runs.export import export_run
 from fewclip.features.encode import Features, text_prototypes
+from fewclip.runs.export import export_run
+from fewclip.training.engine import CachedFeatures, TrainConfig, train_loop
 from helpers.cards import CARD_GEOMETRIES, SHAPES
 from helpers.deep import CLASSNAMES, TOY, cards, load, pixels, snapshot, unchanged  # noqa: F401 (fixture)
 

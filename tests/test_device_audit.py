@@ -13,20 +13,19 @@ import copy
 from dataclasses import dataclass
 
 import pytest
-from conftest import method_geometry_params
 import torch
 import torch.nn as nn
+from conftest import method_geometry_params
 
 import fewclip.adapters.lora as lora_module
-from fewclip.adapters import ADAPTERS, AdapterConfig, adapter_info, build_adapter, register_adapter
 from fewclip.adapter.base import Adapter
+from fewclip.adapter.exports import export_metadata
+from fewclip.adapters import ADAPTERS, AdapterConfig, adapter_info, build_adapter, register_adapter
+from fewclip.backbones.geometry import GEOMETRIES
+from fewclip.features.encode import Features
 from fewclip.training.device_audit import DataDependentOutputException, DeviceAuditError, FakeDevice, is_fake
 from fewclip.training.engine import FitData, TrainConfig
-from fewclip.adapter.exports import export_metadata
-from fewclip.features.encode import Features
-from fewclip.backbones.geometry import GEOMETRIES
 from helpers.audit import CLASSNAMES, GEOMETRY_NAMES, TEMPLATES, backbones  # noqa: F401
-
 
 
 def test_every_geometry_is_audited():

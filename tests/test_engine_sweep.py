@@ -8,13 +8,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import fewclip.training.evals
 import fewclip.runs.sweep
+import fewclip.training.evals
 from fewclip.cli.main import main
 from fewclip.config.compose import ConfigError
-from fewclip.training.engine import COOP_EPOCHS, TrainConfig, cosine_lr, epochs_for
-from fewclip.runs.sweep import load_sweep_config, plan_sweep
 from fewclip.runs.run import load_train_config
+from fewclip.runs.sweep import load_sweep_config, plan_sweep
+from fewclip.training.engine import COOP_EPOCHS, TrainConfig, cosine_lr, epochs_for
 
 TRAIN = ["train", "adapter=coop", "data=toy-shapes", "shots=1", "seed=1", "train.epochs=3", "adapter.n_ctx=4",
          "data.max_test=40"]
@@ -353,8 +353,8 @@ def test_zeroshot_is_an_adapter_and_every_run_scores_the_same_test_subset(tmp_pa
     """`fewclip zeroshot` is a run of the zeroshot adapter (no split, no tensors); whatever the seed, it scores
     the test subset every run scores (TEST_SUBSET_SEED), with score_zeroshot's numbers."""
     from fewclip.backbones.backbone import BackboneConfig, load_backbone
-    from fewclip.runs.run import score_zeroshot
     from fewclip.data.splits import TEST_SUBSET_SEED, test_items
+    from fewclip.runs.run import score_zeroshot
 
     got = {}
     for seed in (1, 5):

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from wandb_offline import offline_runs
 
 from fewclip.cli.main import main
 from fewclip.config.compose import ConfigError
-from fewclip.training.engine import cosine_lr
-from fewclip.utils.explog import LogConfig, WandbConfig, final_scalars, for_sweep_cell, wandb_mode
 from fewclip.runs.run import load_train_config, run_train
 from fewclip.runs.sweep import load_sweep_config
-from wandb_offline import offline_runs
+from fewclip.training.engine import cosine_lr
+from fewclip.utils.explog import LogConfig, WandbConfig, final_scalars, for_sweep_cell, wandb_mode
 
 # 2 shots x 8 classes in batches of 4: 4 steps per epoch, 3 epochs; validation scored every epoch
 TRAIN = ["train", "adapter=coop", "data=toy-shapes", "shots=2", "seed=1", "train.epochs=3", "train.batch_size=4",

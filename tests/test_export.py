@@ -9,12 +9,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import fewclip
+from fewclip.adapter.exports import METADATA_KEY, ExportError, backbone_identity, check_backbone, load_prompts
 from fewclip.adapters import build_adapter
+from fewclip.adapters.coop_export import FORMAT_VERSION, read_prompts
 from fewclip.backbones.backbone import BackboneConfig, load_backbone
 from fewclip.cli.main import main
 from fewclip.datasets import DataConfig, build_dataset, read_split
-from fewclip.adapters.coop_export import FORMAT_VERSION, read_prompts
-from fewclip.adapter.exports import METADATA_KEY, ExportError, backbone_identity, check_backbone, load_prompts
 from fewclip.runs.export import export_run
 from fewclip.runs.run import load_train_config
 

@@ -7,13 +7,13 @@ from pathlib import Path
 import pytest
 
 from fewclip.adapter.base import ADAPTERS
-from fewclip.config.compose import ConfigError
-from fewclip.data.base import DATASETS
 from fewclip.backbones.geometry import GEOMETRIES
 from fewclip.backbones.importer import FORMATS
+from fewclip.config.compose import ConfigError
+from fewclip.data.base import DATASETS
 from fewclip.runs.launch import LAUNCHERS
-from fewclip.utils.registry import PluginError, Registry, UnknownNameError
 from fewclip.runs.sweep import load_sweep_config
+from fewclip.utils.registry import PluginError, Registry, UnknownNameError
 
 ROOT = Path(__file__).resolve().parents[1]
 # The installed names of the repository's folders (pyproject's package-dir).
@@ -384,8 +384,8 @@ def test_a_geometry_and_a_launcher_from_outside(tmp_path, monkeypatch, capsys):
     points, builds the geometry by name and runs a sweep with the launcher, with no edit to fewclip."""
     import torch
 
-    from fewclip.cli.main import main
     from fewclip.backbones.geometry import make_geometry
+    from fewclip.cli.main import main
 
     _dist(tmp_path, "doubled-geometry", "fewclip.geometries", "doubled_cosine", "fc_test_geometry", GEOMETRY_PLUGIN)
     _dist(tmp_path, "reversed-launcher", "fewclip.launchers", "reversed", "fc_test_launcher", LAUNCHER_PLUGIN)

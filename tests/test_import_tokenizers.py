@@ -16,12 +16,12 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from helpers.checkpoints import CLASSNAMES, TEMPLATES, open_clip_train_checkpoint
 from fewclip.adapters.coop import CoOp, CoOpConfig
 from fewclip.backbones.backbone import BackboneConfig, BackboneError, build_open_clip_model, load_backbone
+from fewclip.backbones.importer import CheckpointImportError, import_checkpoint
 from fewclip.cli.main import main
 from fewclip.features.encode import text_prototypes
-from fewclip.backbones.importer import CheckpointImportError, import_checkpoint
+from helpers.checkpoints import CLASSNAMES, TEMPLATES, open_clip_train_checkpoint
 
 HUB_ID = "fewclip-test/tokenizer-on-no-machine"
 WORDS = sorted({w for t in TEMPLATES for c in CLASSNAMES for w in t.format(c).replace(".", "").split()})

@@ -14,10 +14,9 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
-from helpers.checkpoints import meru_checkpoint, open_clip_train_checkpoint, tiny_euclip_state_dict, tiny_meru_state_dict
-from fewclip.backbones.backbone import (BackboneConfig, BackboneError, build_open_clip_model, load_backbone, load_weights_file,
-                               shipped_cards)
+from fewclip.backbones.backbone import BackboneConfig, BackboneError, build_open_clip_model, load_backbone, load_weights_file, shipped_cards
 from fewclip.backbones.importer import import_checkpoint
+from helpers.checkpoints import meru_checkpoint, open_clip_train_checkpoint, tiny_euclip_state_dict, tiny_meru_state_dict
 
 TINY = {"embed_dim": 16,
         "vision_cfg": {"image_size": 32, "patch_size": 16, "width": 32, "layers": 1, "head_width": 16},

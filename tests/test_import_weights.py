@@ -19,16 +19,23 @@ from omegaconf import OmegaConf
 from PIL import Image
 from safetensors.torch import save_file
 
-from helpers import checkpoints as checkpoint_layouts
-from helpers.checkpoints import (MERU_IMPORT_OPTIONS, meru_checkpoint, open_clip_train_checkpoint, openai_archive,
-                                tiny_euclip_state_dict, tiny_meru_state_dict, tiny_openai_fp16)
 from fewclip.backbones import fingerprints
 from fewclip.backbones.backbone import BackboneConfig, BackboneError, build_open_clip_model, load_backbone, load_weights_file
-from fewclip.cli.main import main
-from fewclip.backbones.importer import CheckpointImportError, import_checkpoint
 from fewclip.backbones.formats.openai import openai_model_config
+from fewclip.backbones.importer import CheckpointImportError, import_checkpoint
 from fewclip.backbones.preprocess import PreprocessConfig
 from fewclip.backbones.tokenizer import TokenizerNotFound, load_hf_tokenizer
+from fewclip.cli.main import main
+from helpers import checkpoints as checkpoint_layouts
+from helpers.checkpoints import (
+    MERU_IMPORT_OPTIONS,
+    meru_checkpoint,
+    open_clip_train_checkpoint,
+    openai_archive,
+    tiny_euclip_state_dict,
+    tiny_meru_state_dict,
+    tiny_openai_fp16,
+)
 
 TINY = {"embed_dim": 16,
         "vision_cfg": {"image_size": 32, "patch_size": 16, "width": 32, "layers": 1, "head_width": 16},

@@ -2,21 +2,22 @@
 trains, exports, predicts and reloads with no edit to the core; a fit-style method gets the augmented views
 it asks for, shared with the other runs of a sweep; exports written before the interface changed still load."""
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import pytest
 import torch
 from safetensors import safe_open
 
 import fewclip
+from fewclip.adapter.exports import METADATA_KEY, ExportError, PrototypeClassifier
 from fewclip.adapters import ADAPTERS, EXPORT_FORMATS, Adapter, AdapterConfig, ExportFormat, register_adapter
 from fewclip.cli.main import main
-from fewclip.training.engine import CachedFeatures, train_loop
-from fewclip.adapter.exports import METADATA_KEY, ExportError, PrototypeClassifier
-from fewclip.runs.export import export_run
 from fewclip.features.encode import FeatureCache, text_prototypes
+from fewclip.runs.export import export_run
+from fewclip.training.engine import CachedFeatures, train_loop
 
 FIXTURES = Path(__file__).parent / "fixtures"
 RUN = ["data=toy-shapes", "shots=1", "seed=1", "data.max_test=16", "backbone.device=cpu"]
@@ -219,8 +220,8 @@ class Hooked(Bias):
 
 def test_the_loop_calls_the_adapters_loss_backward_and_epoch_hooks(shapes):
     from fewclip.backbones.backbone import BackboneConfig, load_backbone
-    from fewclip.training.engine import TrainConfig
     from fewclip.features.encode import Features
+    from fewclip.training.engine import TrainConfig
 
     bb = load_backbone(BackboneConfig(name="toy-clip", device="cpu"))
     names = shapes.classnames

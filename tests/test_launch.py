@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from fewclip.cli.main import main
 from fewclip.runs import records
 from fewclip.utils import locks
-from fewclip.cli.main import main
 
 SWEEP = """\
 sweep:

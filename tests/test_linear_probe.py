@@ -6,15 +6,14 @@ import torch
 
 import fewclip.adapters.linear_probe  # noqa: F401  (registration)
 from fewclip.adapter.base import ADAPTERS, build_adapter
-from fewclip.adapters.linear_probe import (LinearProbe, LinearProbeConfig, fit_logistic, logistic_objective,
-    probe_features, search_log_grid)
+from fewclip.adapters.linear_probe import LinearProbe, LinearProbeConfig, fit_logistic, logistic_objective, probe_features, search_log_grid
 from fewclip.adapters.zs_probe import ZSProbe, ZSProbeConfig
 from fewclip.backbones.backbone import REFERENCE_DIR, Backbone, BackboneConfig, build_open_clip_model, load_backbone
-from fewclip.datasets import make_few_shot_split
-from fewclip.training.engine import FitData, TrainConfig
-from fewclip.features.encode import Features, extract_features, text_prototypes
 from fewclip.backbones.geometry import GEOMETRIES, make_geometry
 from fewclip.backbones.tokenizer import WordTokenizer
+from fewclip.datasets import make_few_shot_split
+from fewclip.features.encode import Features, extract_features, text_prototypes
+from fewclip.training.engine import FitData, TrainConfig
 
 f64 = torch.float64
 TOY_BACKBONES = ["toy-clip", "toy-euclip", "toy-meru", "toy-siglip"]

@@ -5,8 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from fewclip.report.literature import (correlations, findings, harmonic, measured_side, published_side, ranks,
-                                reproduced, spearman)
+from fewclip.report.literature import correlations, findings, harmonic, measured_side, published_side, ranks, reproduced, spearman
 from fewclip.report.runs import RunResult
 
 

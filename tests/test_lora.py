@@ -7,15 +7,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from fewclip.adapter.exports import load_prompts
 from fewclip.adapters import build_adapter
 from fewclip.adapters.lora import LoRA, LoRAConfig
 from fewclip.backbones.attention import SplitAttention
 from fewclip.backbones.backbone import backbone_config_from_dict, build_open_clip_model, load_backbone
 from fewclip.config.compose import ConfigError
-from fewclip.training.engine import TrainConfig, total_steps
-from fewclip.adapter.exports import load_prompts
 from fewclip.features.encode import text_prototypes
 from fewclip.runs.run import load_train_config, run_train
+from fewclip.training.engine import TrainConfig, total_steps
 from helpers.cards import CARD_GEOMETRIES, SIGLIP_TEXT, backbone, cards  # noqa: F401  (cards is a fixture)
 
 TOY = ["toy-clip", "toy-euclip", "toy-meru", "toy-siglip"]

@@ -8,8 +8,8 @@ import pytest
 from PIL import Image
 
 from fewclip.data.base import DataConfig, build_dataset
-from fewclip.utils.errors import InputError
 from fewclip.data.name_files import read_classnames, read_templates
+from fewclip.utils.errors import InputError
 
 FOLDERS = ["defect_hole", "nominal", "stain"]  # classes: "defect hole", "nominal", "stain"
 

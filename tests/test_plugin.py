@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from fewclip.adapter.base import ADAPTERS
-from fewclip.data.base import DATASETS
 from fewclip.backbones.importer import FORMATS, import_checkpoint
+from fewclip.data.base import DATASETS
 
 # pip-installs the example (seconds); tests/test_frame.py covers entry points, a plugin launcher's sweep and a plugin
 # geometry in the default run, CI runs these too.
@@ -80,8 +80,8 @@ def test_train_sweep_on_two_workers_export_and_predict(plugin, tmp_path):
     # the run exports through fewclip's generic adapter format and predicts what it scored
     fewclip("export", env_out / "one", "-o", tmp_path / "centroid.safetensors")
     from fewclip.adapter.exports import load_prompts
-    from fewclip.runs.run import load_train_config
     from fewclip.data.base import build_dataset
+    from fewclip.runs.run import load_train_config
 
     clf = load_prompts(tmp_path / "centroid.safetensors", device="cpu")
     ds = build_dataset(load_train_config(["data=colour-patches", "adapter=centroid"]).data)

@@ -7,9 +7,9 @@ import json
 import pytest
 from PIL import Image
 
+from fewclip.adapter.exports import load_prompts
 from fewclip.cli.main import main
 from fewclip.data.base import DataConfig, build_dataset
-from fewclip.adapter.exports import load_prompts
 
 
 @pytest.fixture(scope="module")

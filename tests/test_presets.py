@@ -18,13 +18,24 @@ from fewclip.adapter.base import ADAPTERS, adapter_info
 from fewclip.adapters.clap import Clap, PooledViews
 from fewclip.cli.main import main
 from fewclip.config.compose import ConfigError
-from fewclip.training.engine import FitData, TrainConfig
+from fewclip.config.presets import (
+    FEWCLIP,
+    PRESETS,
+    Preset,
+    PresetError,
+    Setting,
+    describe_presets,
+    get_preset,
+    markdown_rows,
+    parse_label,
+    presets_of,
+    register_presets,
+)
 from fewclip.features.encode import Features
-from fewclip.config.presets import (FEWCLIP, PRESETS, Preset, PresetError, Setting, describe_presets, get_preset, markdown_rows,
-                             parse_label, presets_of, register_presets)
 from fewclip.report import write_report
 from fewclip.runs.run import load_train_config, preset_defaults, run_train
 from fewclip.runs.sweep import SweepSpec, plan_sweep
+from fewclip.training.engine import FitData, TrainConfig
 from helpers.cache_parity import FeatureBackbone, fixture
 
 PRESETS_PAGE = Path(__file__).resolve().parent.parent / "docs" / "concepts" / "presets.md"

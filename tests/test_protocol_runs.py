@@ -14,14 +14,13 @@ from fewclip.adapters.lora import LoRA, LoRAConfig
 from fewclip.adapters.zeroshot import ZeroShot, ZeroShotConfig
 from fewclip.cli.main import main
 from fewclip.config.compose import ConfigError
-from fewclip.datasets import DataConfig, build_dataset
 from fewclip.data.protocols import base_new_classes, harmonic_mean, make_plan, read_protocol_split
-from fewclip.training.evals import describe_evals, scorer_for
+from fewclip.datasets import DataConfig, build_dataset
 from fewclip.features.encode import FeatureCache, text_prototypes
 from fewclip.report import build_report
+from fewclip.runs.run import RunResources, load_train_config, run_identity_of, run_train
 from fewclip.runs.sweep import load_sweep_config, plan_sweep
-from fewclip.runs.run import (RunResources, load_train_config, run_identity_of,
-                          run_train)
+from fewclip.training.evals import describe_evals, scorer_for
 from helpers.cards import CARD_GEOMETRIES, SIGLIP_TEXT, backbone, cards, image_features  # noqa: F401  (cards: fixture)
 
 TOY = ["toy-clip", "toy-euclip", "toy-meru", "toy-siglip"]
@@ -173,8 +172,8 @@ def test_restrict_logits_scores_a_subset_target_with_a_per_class_classifier(runs
     from safetensors.torch import load_file
 
     from fewclip.backbones.backbone import load_backbone
-    from fewclip.datasets import read_split
     from fewclip.data.splits import test_items
+    from fewclip.datasets import read_split
 
     out, _ = runs["shift_probe"]
     m = read(out / "metrics.json")

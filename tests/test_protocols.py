@@ -6,19 +6,17 @@ import numpy as np
 import pytest
 import torch
 
-from fewclip.datasets import DATASETS, DataConfig, Dataset, DatasetError, FewShotSplit, Item, build_dataset
-from fewclip.datasets import make_few_shot_split
 from fewclip.data.protocols import (
     CROSS_DATASET_TARGETS,
     DOMAIN_SHIFT_TARGETS,
     PROTOCOLS,
     ClassSubset,
+    base2new_table,
     base_new_classes,
     check_protocol_json,
     class_map,
     class_subset,
     default_targets,
-    base2new_table,
     harmonic_mean,
     make_plan,
     plan_base2new,
@@ -29,6 +27,7 @@ from fewclip.data.protocols import (
     restrict_logits,
     write_protocol_split,
 )
+from fewclip.datasets import DATASETS, DataConfig, Dataset, DatasetError, FewShotSplit, Item, build_dataset, make_few_shot_split
 
 
 class Recording(Dataset):

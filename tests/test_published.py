@@ -13,8 +13,20 @@ import fewclip.datasets  # noqa: F401  (registers the built-in datasets)
 from fewclip.adapter.base import ADAPTERS
 from fewclip.cli.main import main
 from fewclip.data.base import DATASETS
-from fewclip.published import (AVERAGE, COLUMNS, ELEVEN, PROTOCOLS, RESULTS_FILE, PublishedError, backbone_checksums,
-                               backbone_key, filter_rows, load_table, parse_options, shipped_table)
+from fewclip.published import (
+    AVERAGE,
+    COLUMNS,
+    ELEVEN,
+    PROTOCOLS,
+    RESULTS_FILE,
+    PublishedError,
+    backbone_checksums,
+    backbone_key,
+    filter_rows,
+    load_table,
+    parse_options,
+    shipped_table,
+)
 from fewclip.report import ReportOptions, build_report, write_report
 
 VIT_SHA = "5806e77cd80f8b59890b7e101eabd078d9fb84e6937f9e85e4ecb61988df416f"  # backbones.csv: ViT-B-16.pt

@@ -5,14 +5,14 @@ import io
 import json
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from fewclip.adapter import index as adapter_index
-from fewclip.cli import commands, quickhelp
 from fewclip.adapter.base import ADAPTERS
+from fewclip.cli import commands, quickhelp
 from fewclip.cli.main import COMMAND_NAMES, main
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from fewclip.backbones.backbone import Backbone, BackboneConfig, load_backbone
-from fewclip.utils.checksums import weights_checksum
 from fewclip.cli.main import main
+from fewclip.utils.checksums import weights_checksum
 
 TINY = {"embed_dim": 16,
         "vision_cfg": {"image_size": 32, "patch_size": 16, "width": 32, "layers": 1, "head_width": 16},

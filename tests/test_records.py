@@ -13,11 +13,23 @@ import pytest
 import torch
 
 from fewclip.runs import records
+from fewclip.runs.records import (
+    RECORD_KEY,
+    RunExistsError,
+    RunLock,
+    RunLockedError,
+    check_finite,
+    claim_run,
+    clear_run,
+    config_changes,
+    open_run,
+    remove_leftovers,
+    run_identity,
+    run_state,
+)
 from fewclip.utils import locks
-from fewclip.utils.io import atomic_write, atomic_write_text
-from fewclip.runs.records import (RECORD_KEY, RunExistsError, RunLock, RunLockedError, check_finite, claim_run,
-    clear_run, config_changes, open_run, remove_leftovers, run_identity, run_state)
 from fewclip.utils.errors import NonFiniteError
+from fewclip.utils.io import atomic_write, atomic_write_text
 
 
 @dataclass

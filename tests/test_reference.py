@@ -9,12 +9,12 @@ import torch.nn as nn
 from omegaconf import OmegaConf
 
 from fewclip.backbones.backbone import REFERENCE_DIR, BackboneConfig, load_backbone, sha256_file, shipped_cards
-from fewclip.datasets import DataConfig, build_dataset
 from fewclip.data.protocols import plan_base2new
-from fewclip.datasets.toytasks import TASKS
-from fewclip.datasets.toypretrain import RECIPES, TOY_MEAN, TOY_STD, PretrainConfig, batch_tensors, pretrain, save_reference
-from fewclip.runs.run import score_zeroshot
 from fewclip.data.splits import TEST_SUBSET_SEED
+from fewclip.datasets import DataConfig, build_dataset
+from fewclip.datasets.toypretrain import RECIPES, TOY_MEAN, TOY_STD, PretrainConfig, batch_tensors, pretrain, save_reference
+from fewclip.datasets.toytasks import TASKS
+from fewclip.runs.run import score_zeroshot
 
 RECORD = REFERENCE_DIR / "zeroshot.json"
 RERUN = "rerun `python scripts/record_reference_zeroshot.py` if the change is intended"

@@ -17,9 +17,9 @@ from fewclip.adapters.mmrl import MMRLConfig
 from fewclip.adapters.twosfs import TwoSFSConfig
 from fewclip.backbones.backbone import BackboneConfig, load_backbone
 from fewclip.cli.main import main
+from fewclip.data.protocols import plan_base2new, plan_cross_dataset, plan_domain_shift
 from fewclip.datasets import DataConfig, build_dataset
 from fewclip.training.evals import scorer_for
-from fewclip.data.protocols import plan_base2new, plan_cross_dataset, plan_domain_shift
 
 TEMPLATE = ["a photo of a {}."]
 

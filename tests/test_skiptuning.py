@@ -9,15 +9,14 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from fewclip.adapter.base import AdapterError
-from fewclip.adapters.skiptuning import (SkipTuning, SkipTuningConfig, always_run, reserve_ratios, run_ranks,
-                                        skip_classes)
+from fewclip.adapter.exports import load_prompts, read_metadata
+from fewclip.adapters.skiptuning import SkipTuning, SkipTuningConfig, always_run, reserve_ratios, run_ranks, skip_classes
 from fewclip.backbones.backbone import _card_model_config, build_open_clip_model, read_card, shipped_cards
 from fewclip.config.compose import ConfigError
-from fewclip.adapter.exports import load_prompts, read_metadata
-from fewclip.runs.export import export_run
-from fewclip.features.encode import text_prototypes
-from fewclip.runs.run import load_train_config, run_train
 from fewclip.data.splits import test_items as run_test_items
+from fewclip.features.encode import text_prototypes
+from fewclip.runs.export import export_run
+from fewclip.runs.run import load_train_config, run_train
 from helpers.cards import CARD_GEOMETRIES, SIGLIP_TEXT, backbone, cards  # noqa: F401  (cards is a fixture)
 
 TOY = ["toy-clip", "toy-euclip", "toy-meru", "toy-siglip"]

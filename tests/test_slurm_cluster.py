@@ -12,7 +12,6 @@ import pytest
 
 from fewclip.runs import records
 from fewclip.utils import locks
-
 from helpers.slurm import Unavailable, start
 
 SWEEP = """\

@@ -2,8 +2,9 @@
 adapter written here shows it needs nothing else; every cache-based method and both probes go through
 ``fewclip sweep``, ``fewclip report``, ``fewclip export`` and ``fewclip predict``."""
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Optional
 
 import pytest
 import torch
@@ -11,12 +12,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import fewclip
-from fewclip.adapters import ADAPTERS, Adapter, AdapterConfig, adapter_info, build_adapter, register_adapter
-from fewclip.adapter.state_export import FORMAT, STATE, AdapterClassifier
-from fewclip.cli.main import main
 from fewclip.adapter.exports import METADATA_KEY, ExportError
-from fewclip.runs.export import export_run
+from fewclip.adapter.state_export import FORMAT, STATE, AdapterClassifier
+from fewclip.adapters import ADAPTERS, Adapter, AdapterConfig, adapter_info, build_adapter, register_adapter
+from fewclip.cli.main import main
 from fewclip.features.encode import text_prototypes
+from fewclip.runs.export import export_run
 
 RUN = ["data=toy-shapes", "shots=1", "seed=1", "data.max_test=16", "backbone.device=cpu", "data.templates=single"]
 

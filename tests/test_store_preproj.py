@@ -6,12 +6,12 @@ a run of Tip-Adapter then ProLIP encodes each image and view once; entries of th
 import pytest
 import torch
 
-from fewclip.features import store as store_mod
 from fewclip.backbones.backbone import BackboneConfig, load_backbone
-from fewclip.features.encode import FeatureCache, extract_features
 from fewclip.data.image_fingerprint import fingerprint
-from fewclip.runs.run import load_train_config, run_train
+from fewclip.features import store as store_mod
+from fewclip.features.encode import FeatureCache, extract_features
 from fewclip.features.store import FeatureStore, address
+from fewclip.runs.run import load_train_config, run_train
 
 REFERENCE = ("toy-clip", "toy-euclip", "toy-meru", "toy-siglip")
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from fewclip.runs import records
 from fewclip.cli.main import main
 from fewclip.report import load_runs
+from fewclip.runs import records
 
 SWEEP = """\
 sweep:

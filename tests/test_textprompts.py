@@ -4,11 +4,10 @@ names, and runs through the command line. Parity with the authors' code is tests
 import json
 
 import pytest
+import test_import_tokenizers as hf
 import torch
 import torch.nn.functional as F
 
-import test_import_tokenizers as hf
-from helpers.checkpoints import CLASSNAMES as HF_CLASSNAMES
 from fewclip.adapters import ADAPTERS, AdapterError, build_adapter
 from fewclip.adapters._family import default_linear, distance_to_teacher
 from fewclip.adapters._prompts import packed_suffix_rows
@@ -19,9 +18,10 @@ from fewclip.adapters.prograd import ProGrad, ProGradConfig
 from fewclip.adapters.tcp import TCP, TCPConfig
 from fewclip.backbones.backbone import BackboneConfig, load_backbone
 from fewclip.cli.main import main
-from fewclip.training.engine import CachedFeatures, TrainConfig, train_loop
 from fewclip.features.encode import Features, text_prototypes
+from fewclip.training.engine import CachedFeatures, TrainConfig, train_loop
 from helpers.cards import CARD_GEOMETRIES, CLASSNAMES, SHAPES, image_features, tiny_model_config, write_card
+from helpers.checkpoints import CLASSNAMES as HF_CLASSNAMES
 
 TOY = ["toy-clip", "toy-euclip", "toy-meru", "toy-siglip"]  # clip, euclidean_sq, hyperbolic, sigmoid
 SIGLIP_TEXT = "siglip-text"  # bidirectional attention, pooled at the last position, BPE tokenizer

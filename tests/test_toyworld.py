@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from fewclip.backbones.backbone import REFERENCE_DIR
+from fewclip.backbones.tokenizer import WordTokenizer
 from fewclip.datasets import DataConfig, build_dataset
 from fewclip.datasets import toyworld as tw
 from fewclip.datasets.toytasks import TASKS
-from fewclip.backbones.tokenizer import WordTokenizer
 
 SEED = 7
 

@@ -130,10 +130,10 @@ def test_fewer_test_images_than_neighbours_is_an_error_naming_it():
 def test_run_key_scores_the_test_set_again_and_the_report_shows_it_as_a_method(tmp_path, monkeypatch):
     from fewclip.backbones.backbone import BackboneConfig, load_backbone
     from fewclip.cli.main import main
+    from fewclip.data.splits import test_items
     from fewclip.datasets import DataConfig, build_dataset
     from fewclip.features.encode import FeatureCache, text_prototypes
     from fewclip.report import build_report
-    from fewclip.data.splits import test_items
 
     monkeypatch.setenv("FEWCLIP_CACHE", "off")
     out = tmp_path / "toy-clip" / "toy-colours" / "zeroshot"

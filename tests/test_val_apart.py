@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers.coop_trees import DATASETS, FIXTURE, REF, make_tree
-from fewclip.data.coop_sampler import draw_split
 from fewclip.data.base import DataConfig, DatasetError, build_dataset
+from fewclip.data.coop_sampler import draw_split
 from fewclip.data.protocols import make_plan
 from fewclip.data.split_files import write_file
 from fewclip.data.splits import FewShotSplit, check_val_apart
+from helpers.coop_trees import DATASETS, FIXTURE, REF, make_tree
 
 PROTOCOLS = ("fewshot", "base2new", "cross_dataset")
 SAMPLERS = ("fewclip", "coop")

@@ -4,11 +4,10 @@ import numpy as np
 import pytest
 
 import fewclip.datasets.world2 as w2
-from fewclip.data.base import build_dataset, DataConfig
-from fewclip.datasets.world2tasks import (CROSS_DATASET_TARGETS, DOMAIN_SHIFT_TARGETS, FEWSHOT_TASKS, TASKS,
-                                          World2Task)
-from fewclip.data.protocols import base_new_classes, class_map
 from fewclip.backbones.tokenizer import WordTokenizer
+from fewclip.data.base import DataConfig, build_dataset
+from fewclip.data.protocols import base_new_classes, class_map
+from fewclip.datasets.world2tasks import CROSS_DATASET_TARGETS, DOMAIN_SHIFT_TARGETS, FEWSHOT_TASKS, TASKS, World2Task
 
 
 def test_catalogue_has_hundreds_of_uniquely_named_concepts_in_every_family():
@@ -104,7 +103,7 @@ def test_domain_shift_targets_share_the_source_classes_and_shift_style():
 def test_shipped_world2_cards_match_their_weights_and_recipe():
     from omegaconf import OmegaConf
 
-    from fewclip.backbones.backbone import REFERENCE_DIR, shipped_cards, sha256_file
+    from fewclip.backbones.backbone import REFERENCE_DIR, sha256_file, shipped_cards
     from fewclip.datasets.world2pretrain import RECIPES, VOCAB_FILE
 
     cards = {n: p for n, p in shipped_cards().items() if n.startswith("w2-")}

@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import struct
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Optional
 
 from wandb.proto import wandb_internal_pb2
 
@@ -63,9 +64,9 @@ class OfflineRun:
     name: str = ""
     group: str = ""
     project: str = ""
-    config: Dict[str, Any] = field(default_factory=dict)
-    history: List[Dict[str, Any]] = field(default_factory=list)
-    summary: Dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
     exit_code: Optional[int] = None
 
 
@@ -96,6 +97,6 @@ def read_offline_run(run_dir: Path) -> OfflineRun:
     return out
 
 
-def offline_runs(wandb_dir: Path) -> List[OfflineRun]:
+def offline_runs(wandb_dir: Path) -> list[OfflineRun]:
     """Every offline run under a ``wandb`` folder."""
     return [read_offline_run(d) for d in sorted(Path(wandb_dir).glob("offline-run-*"))]

@@ -16,7 +16,7 @@ import dataclasses
 import inspect
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 import yaml
 
@@ -30,7 +30,7 @@ def _registry():
     return ADAPTERS
 
 
-def method_facts() -> Dict[str, Dict[str, Any]]:
+def method_facts() -> dict[str, dict[str, Any]]:
     return yaml.safe_load(DATA.read_text()) or {}
 
 
@@ -60,7 +60,7 @@ def _default(f: dataclasses.Field) -> Any:
     return "(required)"
 
 
-def option_rows(config_cls) -> List[str]:
+def option_rows(config_cls) -> list[str]:
     from fewclip.config.help import field_help
 
     rows = ["| option | type | default | help |", "|---|---|---|---|"]
@@ -72,7 +72,7 @@ def option_rows(config_cls) -> List[str]:
     return rows
 
 
-def published_rows(name: str, csv_path: Optional[Path] = None) -> List[Dict[str, str]]:
+def published_rows(name: str, csv_path: Optional[Path] = None) -> list[dict[str, str]]:
     if csv_path is None:
         from fewclip.published import __file__ as pub
 
@@ -87,7 +87,7 @@ def _docstring(info) -> str:
     return doc or inspect.getdoc(info.adapter_cls) or "(no docstring)"
 
 
-def method_page(name: str, facts: Optional[Dict[str, Any]] = None, csv_path: Optional[Path] = None) -> str:
+def method_page(name: str, facts: Optional[dict[str, Any]] = None, csv_path: Optional[Path] = None) -> str:
     from fewclip.config.presets import FEWCLIP, PRESETS, presets_of
 
     registry = _registry()

@@ -38,15 +38,17 @@ it).
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Type
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from fewclip.config.sections import AdapterConfig
 from fewclip.utils.errors import InputError
 from fewclip.utils.registry import Registry
-from fewclip.config.sections import AdapterConfig
 
 TRAINED_BY = ("loop", "fit", None)
 
@@ -80,7 +82,7 @@ class Adapter(nn.Module):
     # ``train.compile`` compiles (``fewclip.training.compiled``); None: nothing to compile.
     text_step: Optional[str] = None
     # Overrides of the run's ``train`` section defaults for this adapter (e.g. its own optimiser).
-    train_defaults: Dict[str, object] = {}
+    train_defaults: dict[str, object] = {}
     # How ``text_step`` runs the text tower, where a method has several ways (CoOp: "shared", "truncate",
     # "faithful"); part of what ``train.compile`` compiles, so a compiled step is never reused across modes.
     # None: one way only.
@@ -98,7 +100,7 @@ class Adapter(nn.Module):
         backbone's stays out of this adapter's parameters, state dict and ``.to()`` (its tensors are not ours)."""
         object.__setattr__(self, name, value)
 
-    def param_groups(self) -> Optional[List[Dict[str, Any]]]:
+    def param_groups(self) -> Optional[list[dict[str, Any]]]:
         """The optimiser's parameter groups (e.g. a learning rate of their own for some tensors, DePT's head);
         None (default): one group of ``trainable_parameters()`` at the run's ``train.lr``."""
         return None
@@ -117,14 +119,14 @@ class Adapter(nn.Module):
     # classes, cross-dataset targets): text-side methods can; a per-class weight or cache cannot.
     supports_new_classes: bool = False
 
-    def training_loss(self, features: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Tensor]:
+    def training_loss(self, features: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         """Loss terms of one training batch (raw image features [B, D], labels [B]), for the engine's loop.
         ``"loss"`` is what is minimised; other entries (e.g. a regulariser's value) are logged per epoch.
         Default: cross-entropy of ``forward``. Called under the run's autocast; an adapter with
         ``wants_frozen_features`` gets ``frozen=`` too."""
         return {"loss": F.cross_entropy(self(features).float(), labels)}
 
-    def backward(self, terms: Dict[str, torch.Tensor]) -> None:
+    def backward(self, terms: dict[str, torch.Tensor]) -> None:
         """Put the gradients of one batch on the trainable parameters (default: ``terms["loss"].backward()``);
         a method that combines the gradients of several terms (ProGrad) overrides this."""
         terms["loss"].backward()
@@ -139,7 +141,7 @@ class Adapter(nn.Module):
         """Called by the engine's loop after training epoch ``epoch`` (0-based) of ``epochs`` (e.g. to
         aggregate prompts over epochs). Default: nothing."""
 
-    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> "Adapter":
+    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> Adapter:
         """What this adapter learned, applied to other class names (base-to-novel's new classes, a
         cross-dataset target), as an adapter in eval mode whose ``forward`` scores those classes. The same
         names in the same order give this adapter itself; other names need ``supports_new_classes``."""
@@ -149,7 +151,7 @@ class Adapter(nn.Module):
                            f"class names; use a method that adapts the text side (e.g. coop) for new classes")
 
     def for_target(self, classnames: Sequence[str], templates: Sequence[str],
-                   class_map: Optional[Sequence[int]] = None) -> "Adapter":
+                   class_map: Optional[Sequence[int]] = None) -> Adapter:
         """What scores a test set that is not the data this adapter was trained on (a domain-shift or
         cross-dataset target, new classes), even one whose class names are the trained ones (ImageNet-V2 has
         ImageNet's): the same class names are not the same task. ``class_map[i]``: the trained label of the
@@ -158,7 +160,7 @@ class Adapter(nn.Module):
         heads overrides it (MMRL fuses its two logits only on the data it was trained on)."""
         return self.for_classnames(classnames, templates)
 
-    def rebuilt_for(self, classnames: Sequence[str], templates: Sequence[str]) -> "Adapter":
+    def rebuilt_for(self, classnames: Sequence[str], templates: Sequence[str]) -> Adapter:
         """This adapter's class and config built for other class names and templates, holding this adapter's
         learned tensors, in eval mode: ``for_classnames`` of a method whose tensors do not depend on the class
         names (a shared context, low-rank updates of the towers, nothing at all)."""
@@ -171,7 +173,7 @@ class Adapter(nn.Module):
         Tip-Adapter builds its cache from 10, CLAP from 20. 0 by default."""
         return 0
 
-    def fit(self, data) -> Dict:
+    def fit(self, data) -> dict:
         """Train on ``data`` (a ``fewclip.training.engine.FitData``); returns what to record in metrics.json."""
         raise NotImplementedError(f"adapter {self.name!r} is trained by the loop, not fit()")
 
@@ -185,14 +187,14 @@ class Adapter(nn.Module):
         every image through it."""
         return self.backbone
 
-    def adapter_state_dict(self) -> Dict[str, torch.Tensor]:
+    def adapter_state_dict(self) -> dict[str, torch.Tensor]:
         """The adapter's own tensors (persistent buffers and parameters), detached, on CPU."""
         return {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
 
-    def load_adapter_state_dict(self, sd: Dict[str, torch.Tensor]) -> None:
+    def load_adapter_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         self.load_state_dict(sd, strict=True)
 
-    def trainable_parameters(self) -> List[nn.Parameter]:
+    def trainable_parameters(self) -> list[nn.Parameter]:
         return [p for p in self.parameters() if p.requires_grad]
 
 
@@ -213,18 +215,18 @@ class ExportFormat:
     name: str  # the "format" value of the metadata; loaders are found by it
     version: int  # the newest format_version this fewclip writes and reads
     default_path: str  # file or folder inside the run directory when no path is given
-    write: Callable[..., Dict[str, Any]]
+    write: Callable[..., dict[str, Any]]
     load: Callable[..., Any]
-    summary: Callable[[Any, Dict[str, Any]], str]
+    summary: Callable[[Any, dict[str, Any]], str]
     # Keyword options of ``write`` and their defaults (``fewclip export RUN key=value``).
-    options: Dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class AdapterInfo:
     name: str
-    config_cls: Type[AdapterConfig]
-    adapter_cls: Type[Adapter]
+    config_cls: type[AdapterConfig]
+    adapter_cls: type[Adapter]
     export: Optional[ExportFormat] = None
 
     @property
@@ -240,7 +242,7 @@ EXPORT_FORMATS: Registry[ExportFormat] = Registry("export format", "fewclip.adap
                                                   lowercase=False)
 
 
-def register_adapter(name: str, config_cls: Type[AdapterConfig], adapter_cls: Type[Adapter],
+def register_adapter(name: str, config_cls: type[AdapterConfig], adapter_cls: type[Adapter],
                      export: Optional[ExportFormat] = None) -> None:
     """Register a method: its config dataclass, its adapter class and (optionally) its export format."""
     if adapter_cls.trained_by not in TRAINED_BY:

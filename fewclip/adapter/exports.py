@@ -45,21 +45,23 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Union
 
 import torch
-from fewclip.utils.errors import InputError
-from fewclip.backbones.backbone import backbone_config_from_dict, load_backbone
-from fewclip.utils.checksums import state_sha256
-from fewclip.features.feature_file import backbone_from_export
-from fewclip.version import __version__
-from fewclip.adapter.base import EXPORT_FORMATS
-from safetensors import safe_open
-from PIL import Image, UnidentifiedImageError
-from fewclip.data.base import to_rgb
-from fewclip.backbones.geometry import make_geometry
 from omegaconf import OmegaConf
+from PIL import Image, UnidentifiedImageError
+from safetensors import safe_open
+
+from fewclip.adapter.base import EXPORT_FORMATS
+from fewclip.backbones.backbone import backbone_config_from_dict, load_backbone
+from fewclip.backbones.geometry import make_geometry
+from fewclip.data.base import to_rgb
+from fewclip.features.feature_file import backbone_from_export
+from fewclip.utils.checksums import state_sha256
+from fewclip.utils.errors import InputError
+from fewclip.version import __version__
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,7 @@ class ExportError(InputError):
 # ---------------------------------------------------------------------------
 
 
-def backbone_identity(backbone, cfg=None) -> Dict[str, Any]:
+def backbone_identity(backbone, cfg=None) -> dict[str, Any]:
     """What names a backbone in an export: name, source, checksum, and the config section to load it."""
     ident = {
         "name": backbone.name,
@@ -97,7 +99,7 @@ def backbone_identity(backbone, cfg=None) -> Dict[str, Any]:
     return ident
 
 
-def check_backbone(meta: Dict[str, Any], backbone, path: Union[str, Path]) -> None:
+def check_backbone(meta: dict[str, Any], backbone, path: Union[str, Path]) -> None:
     """Refuse a backbone whose weights are not the ones the export was made from."""
     want = meta["backbone"]
     if want.get("weights_sha256"):
@@ -118,7 +120,7 @@ def check_backbone(meta: Dict[str, Any], backbone, path: Union[str, Path]) -> No
                           f"has {backbone.geometry.name!r}")
 
 
-def backbone_metadata(bb, backbone_cfg=None) -> Dict[str, Any]:
+def backbone_metadata(bb, backbone_cfg=None) -> dict[str, Any]:
     """The metadata every export carries about its backbone: identity, geometry, preprocessing, tokenizer."""
     pre = getattr(bb, "preprocess_cfg", None)  # None: a feature backbone (features from a file, no images)
     return {
@@ -130,8 +132,8 @@ def backbone_metadata(bb, backbone_cfg=None) -> Dict[str, Any]:
     }
 
 
-def backbone_from_metadata(meta: Dict[str, Any], path, device: str,
-                           backbone_overrides: Optional[Dict[str, Any]] = None):
+def backbone_from_metadata(meta: dict[str, Any], path, device: str,
+                           backbone_overrides: Optional[dict[str, Any]] = None):
     """Load the backbone an export names (its stored config section, with overrides)."""
 
 
@@ -153,7 +155,7 @@ def backbone_from_metadata(meta: Dict[str, Any], path, device: str,
 # ---------------------------------------------------------------------------
 
 
-def export_metadata(adapter, fmt, *, backbone_cfg=None, run: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+def export_metadata(adapter, fmt, *, backbone_cfg=None, run: Optional[dict[str, Any]] = None) -> dict[str, Any]:
     """The metadata every export carries (module docstring), for ``adapter`` in format ``fmt``."""
 
     return {
@@ -166,7 +168,7 @@ def export_metadata(adapter, fmt, *, backbone_cfg=None, run: Optional[Dict[str, 
     }
 
 
-def read_metadata(path: Union[str, Path]) -> Dict[str, Any]:
+def read_metadata(path: Union[str, Path]) -> dict[str, Any]:
     """The metadata of an export: a ``.safetensors`` file's ``"fewclip"`` entry, or a folder's ``fewclip.json``.
     Any problem is an ExportError naming it."""
     path = Path(path)
@@ -200,7 +202,7 @@ def read_metadata(path: Union[str, Path]) -> Dict[str, Any]:
     return meta
 
 
-def check_metadata(meta: Dict[str, Any], path: Union[str, Path], fmt) -> None:
+def check_metadata(meta: dict[str, Any], path: Union[str, Path], fmt) -> None:
     """The keys every export has, and a version of ``fmt`` that this fewclip reads."""
     where = Path(path) / META_FILE if Path(path).is_dir() else path
     fix = "the export is damaged or was not written by `fewclip export`: export the run again"
@@ -220,7 +222,7 @@ def check_metadata(meta: Dict[str, Any], path: Union[str, Path], fmt) -> None:
         raise ExportError(f"{where}: metadata backbone needs a name and a weights checksum; {fix}")
 
 
-def format_of(meta: Dict[str, Any], path: Union[str, Path]):
+def format_of(meta: dict[str, Any], path: Union[str, Path]):
     """The registered ``ExportFormat`` an export's metadata names."""
 
     name = meta.get("format")
@@ -260,13 +262,13 @@ class Classifier:
     from the export's stored parameters. Preprocessing, batching, probabilities and ``predict`` are shared.
     """
 
-    def __init__(self, backbone, meta: Dict[str, Any], path: Optional[Path] = None,
+    def __init__(self, backbone, meta: dict[str, Any], path: Optional[Path] = None,
                  classnames: Optional[Sequence[str]] = None):
 
         self.backbone = backbone
         self.meta = meta
         self.path = path
-        self.classnames: List[str] = list(classnames if classnames is not None else meta["classnames"])
+        self.classnames: list[str] = list(classnames if classnames is not None else meta["classnames"])
         g = meta["geometry"]
         try:
             self.geometry = make_geometry(g["name"], **g["params"]).to(backbone.device)
@@ -311,7 +313,7 @@ class Classifier:
                               f"run again")
         return logits.softmax(-1)
 
-    def predict(self, images: ImageInput, top_k: int = 5) -> List[List[Tuple[str, float]]]:
+    def predict(self, images: ImageInput, top_k: int = 5) -> list[list[tuple[str, float]]]:
         """The ``top_k`` (class name, probability) pairs of each image, most probable first."""
         if top_k < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
@@ -320,7 +322,7 @@ class Classifier:
         return [[(self.classnames[int(i)], float(v)) for v, i in zip(vals, idx)]
                 for vals, idx in zip(top.values, top.indices)]
 
-    def with_classnames(self, classnames: Sequence[str]) -> "Classifier":
+    def with_classnames(self, classnames: Sequence[str]) -> Classifier:
         """A classifier for other class names, where the export allows it."""
         raise ExportError(f"a {self.meta.get('format')} export classifies its own classes only")
 
@@ -328,7 +330,7 @@ class Classifier:
 class PrototypeClassifier(Classifier):
     """One point per class in the geometry (``prototypes`` [C, D]), compared with the embedded image features."""
 
-    def __init__(self, backbone, meta: Dict[str, Any], prototypes: torch.Tensor, path: Optional[Path] = None,
+    def __init__(self, backbone, meta: dict[str, Any], prototypes: torch.Tensor, path: Optional[Path] = None,
                  classnames: Optional[Sequence[str]] = None):
         super().__init__(backbone, meta, path, classnames)
         self.prototypes = prototypes.to(backbone.device)  # C, D
@@ -345,7 +347,7 @@ class PrototypeClassifier(Classifier):
 
 
 def load_prompts(path: Union[str, Path], device: str = "auto", *, backbone=None,
-                 backbone_overrides: Optional[Dict[str, Any]] = None) -> Classifier:
+                 backbone_overrides: Optional[dict[str, Any]] = None) -> Classifier:
     """Load what ``fewclip export`` wrote, in any registered format, with the backbone it names; refuse a
     backbone with other weights.
 

@@ -20,7 +20,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 INDEX_FILE = Path(__file__).with_name("index.json")
 FORMAT = 1
@@ -44,7 +44,7 @@ def source_fingerprint() -> str:
     return h.hexdigest()
 
 
-def build_index() -> Dict[str, Any]:
+def build_index() -> dict[str, Any]:
     """The index of the registered methods that ``fewclip.adapters`` defines (imports them, and torch)."""
     from fewclip.adapter.base import ADAPTERS  # the one place that needs the methods: building the file
 
@@ -61,7 +61,7 @@ def build_index() -> Dict[str, Any]:
     return {"format": FORMAT, "fingerprint": source_fingerprint(), "methods": methods}
 
 
-def load_index(path: Path = INDEX_FILE) -> Optional[Dict[str, Any]]:
+def load_index(path: Path = INDEX_FILE) -> Optional[dict[str, Any]]:
     """The index's methods, or None when the file is missing, of another format or made from other sources."""
     try:
         index = json.loads(path.read_text())

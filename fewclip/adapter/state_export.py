@@ -23,22 +23,20 @@ The file needs fewclip to be used: the classifier is the adapter's own ``forward
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import torch
-
-from fewclip.adapter.exports import METADATA_KEY, Classifier, ExportError
-
-from fewclip.adapter.base import AdapterError, ExportFormat
-from safetensors.torch import save_file
-from fewclip.utils.io import atomic_write
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-from safetensors.torch import load_file
-from fewclip.adapter.base import adapter_info, build_adapter
+from safetensors.torch import load_file, save_file
+
+from fewclip.adapter.base import AdapterError, ExportFormat, adapter_info, build_adapter
+from fewclip.adapter.exports import METADATA_KEY, Classifier, ExportError
 from fewclip.data.base import check_classnames
+from fewclip.utils.io import atomic_write
 from fewclip.utils.tensor_checks import check_digests, check_state_tensors, check_tensors, tensor_digests
 
 FORMAT = "fewclip.adapter"
@@ -46,7 +44,7 @@ FORMAT_VERSION = 1
 DAMAGED = "; export the run again"
 
 
-def write_state(adapter, path: Union[str, Path], meta: Dict[str, Any]) -> Dict[str, Any]:
+def write_state(adapter, path: Union[str, Path], meta: dict[str, Any]) -> dict[str, Any]:
     """Write ``adapter``'s state dict and config to ``path`` (atomically); returns the metadata written."""
 
     path = Path(path)
@@ -62,7 +60,7 @@ def write_state(adapter, path: Union[str, Path], meta: Dict[str, Any]) -> Dict[s
     return meta
 
 
-def summary(path: Union[str, Path], meta: Dict[str, Any]) -> str:
+def summary(path: Union[str, Path], meta: dict[str, Any]) -> str:
     ad, bb, run = meta["adapter"], meta["backbone"], meta.get("run") or {}
     checksum = bb.get("weights_sha256") or bb.get("state_sha256") or ""
     options = " ".join(f"{k}={v}" for k, v in ad["config"].items() if k != "name") or "no options"
@@ -82,7 +80,7 @@ def summary(path: Union[str, Path], meta: Dict[str, Any]) -> str:
 class AdapterClassifier(Classifier):
     """Images -> logits through a rebuilt adapter (its own image tower where it adapts one)."""
 
-    def __init__(self, backbone, meta: Dict[str, Any], adapter, path: Optional[Path] = None):
+    def __init__(self, backbone, meta: dict[str, Any], adapter, path: Optional[Path] = None):
         super().__init__(backbone, meta, path, adapter.classnames)
         self.adapter = adapter.eval()
 
@@ -101,7 +99,7 @@ class AdapterClassifier(Classifier):
                 for i in range(0, len(px), batch_size)]
         return torch.cat(outs) if outs else torch.empty(0, len(self.classnames), device=self.backbone.device)
 
-    def with_classnames(self, classnames: Sequence[str]) -> "AdapterClassifier":
+    def with_classnames(self, classnames: Sequence[str]) -> AdapterClassifier:
 
         names = check_classnames(classnames, "with_classnames", warn=True)
         if not self.adapter.supports_new_classes:
@@ -115,7 +113,7 @@ class AdapterClassifier(Classifier):
 
 
 @torch.no_grad()
-def load_state(path: Path, meta: Dict[str, Any], backbone) -> AdapterClassifier:
+def load_state(path: Path, meta: dict[str, Any], backbone) -> AdapterClassifier:
     """The classifier of a ``fewclip.adapter`` export (the loader ``fewclip.load_prompts`` calls once it has read
     the metadata and checked ``backbone``)."""
 

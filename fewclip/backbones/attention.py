@@ -42,22 +42,21 @@ back into open_clip's packed names.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
+import shutil
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import importlib.util
-import shutil
-import warnings
-from open_clip.transformer import VisionTransformer
-from open_clip.transformer import Attention
+from open_clip.transformer import Attention, VisionTransformer
 
 # The config sections are plain dataclasses in fewclip.config.sections (no torch: `--help` reads them); re-exported here.
-from fewclip.config.sections import (CLS_MODES, IMPLS, SHAPES, LocalAttentionConfig, TextWindowConfig,  # noqa: F401
-                       VisionWindowConfig, parse_layers)
+from fewclip.config.sections import CLS_MODES, IMPLS, SHAPES, LocalAttentionConfig, TextWindowConfig, VisionWindowConfig, parse_layers  # noqa: F401
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +80,7 @@ class Window:
     shape: str = field(default="band", metadata={"help": 'band | grid'})
     prefix: int = 0
     cls: str = "global"
-    grid: Optional[Tuple[int, int]] = None
+    grid: Optional[tuple[int, int]] = None
     causal: bool = False
 
     def mask_mod(self, with_causal: bool = True) -> Callable:
@@ -129,7 +128,7 @@ class _MaskCache:
         self.window = window
         # impl=flex: compiled (torch.compile) or eager (computes every score; for checking the mask_mod)
         self.compile_flex = compile_flex
-        self._store: Dict[Tuple, Any] = {}
+        self._store: dict[tuple, Any] = {}
 
     def additive(self, L: int, dtype: torch.dtype, device) -> torch.Tensor:
         key = ("add", L, dtype, str(device))
@@ -172,7 +171,7 @@ def flex_available(device: torch.device) -> bool:
     return _flex_available(torch.device(device).type)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _flex_available(device_type: str) -> bool:
 
     if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
@@ -285,7 +284,7 @@ class LocalAttention(nn.Module):
     """
 
     def __init__(self, mha: nn.MultiheadAttention, window: Window, impl: str = "auto",
-                 masks: Optional["_MaskCache"] = None):
+                 masks: Optional[_MaskCache] = None):
         super().__init__()
         if not (isinstance(mha, nn.MultiheadAttention) and mha.batch_first and mha._qkv_same_embed_dim
                 and mha.in_proj_bias is not None and mha.bias_k is None and not mha.add_zero_attn):
@@ -348,7 +347,7 @@ class SplitAttention(nn.Module):
         return self.out_proj(o.transpose(1, 2).reshape(B, L, W)), None
 
 
-def split_attention(blocks: Sequence[nn.Module]) -> List[str]:
+def split_attention(blocks: Sequence[nn.Module]) -> list[str]:
     """Replace each block's attention by a ``SplitAttention``; returns nothing to undo (work on a copy)."""
     done = []
     for i, blk in enumerate(blocks):
@@ -365,11 +364,11 @@ def split_attention(blocks: Sequence[nn.Module]) -> List[str]:
     return done
 
 
-def pack_split_state(sd: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def pack_split_state(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A state dict with ``...attn.{q,k,v}_proj.{weight,bias}`` turned back into open_clip's packed
     ``...attn.in_proj_weight`` / ``in_proj_bias`` (out_proj keeps its name)."""
-    out: Dict[str, torch.Tensor] = {}
-    groups: Dict[str, Dict[str, torch.Tensor]] = {}
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[str, dict[str, torch.Tensor]] = {}
     for k, v in sd.items():
         for part in ("q_proj", "k_proj", "v_proj"):
             tag = f".{part}."
@@ -427,8 +426,8 @@ def _hook_for(masks: _MaskCache, heads: int):
     return hook
 
 
-def _apply(transformer: nn.Module, window: Window, layers: List[int], impl: str, tower: str,
-           compile_flex: bool = True) -> Dict[str, Any]:
+def _apply(transformer: nn.Module, window: Window, layers: list[int], impl: str, tower: str,
+           compile_flex: bool = True) -> dict[str, Any]:
 
     blocks = transformer.resblocks
     masks = _MaskCache(window, compile_flex)  # one cache per tower: every layer uses the same masks
@@ -447,9 +446,9 @@ def _apply(transformer: nn.Module, window: Window, layers: List[int], impl: str,
     return {"window": window.k, "shape": window.shape, "layers": layers, "cls": window.cls if window.prefix else None}
 
 
-def apply_local_attention(model: nn.Module, cfg: LocalAttentionConfig) -> Dict[str, Any]:
+def apply_local_attention(model: nn.Module, cfg: LocalAttentionConfig) -> dict[str, Any]:
     """Put local windows into the configured layers of ``model``'s towers (in place); returns a summary."""
-    summary: Dict[str, Any] = {}
+    summary: dict[str, Any] = {}
     if cfg.text.window is not None:
         try:
             transformer, causal = text_tower_parts(model)

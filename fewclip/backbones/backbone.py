@@ -40,6 +40,7 @@ requires grad) and kept in eval mode.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import pickle
@@ -47,34 +48,40 @@ import re
 import warnings
 import zipfile
 import zlib
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Optional
 
+import open_clip
 import torch
 import torch.nn as nn
-
-from fewclip.utils.errors import InputError
-
-from fewclip.utils.checksums import sha256_file
-from fewclip.backbones.attention import apply_local_attention
-from fewclip.config.sections import (DEVICE_PATTERN, PRECISIONS, BackboneConfig, LocalAttentionConfig,  # noqa: F401  (re-exported)
-                       backbone_config_from_dict)
-from fewclip.backbones.fingerprints import identify
-from fewclip.backbones.names import backbone_hint
-from fewclip.backbones.geometry import (GEOMETRIES, GEOMETRY_ALIASES, REQUIRED_GEOMETRY_PARAMS, UNSUPPORTED_GEOMETRIES, Geometry,  # noqa: F401
-                       canonical_geometry, geometry_of_open_clip, geometry_params, make_geometry)
-from fewclip.utils.logs import quiet_open_clip
-from fewclip.backbones.preprocess import OPENAI_MEAN, OPENAI_STD, PreprocessConfig, PreprocessError, disagreeing_tags
 from omegaconf import OmegaConf
-from fewclip.backbones.torchscript import TorchScriptError, archive_prefix, read_torchscript_state_dict
-import json
 from open_clip.factory import convert_state_dict, get_model_config
 from open_clip.model import CLIP, CustomTextCLIP
-import open_clip
-from fewclip.backbones.tokenizer import TokenizerNotFound, load_hf_tokenizer
 from safetensors.torch import load_file
+
+from fewclip.backbones.attention import apply_local_attention
+from fewclip.backbones.fingerprints import identify
+from fewclip.backbones.geometry import (  # noqa: F401
+    GEOMETRIES,
+    GEOMETRY_ALIASES,
+    REQUIRED_GEOMETRY_PARAMS,
+    UNSUPPORTED_GEOMETRIES,
+    Geometry,
+    canonical_geometry,
+    geometry_of_open_clip,
+    geometry_params,
+    make_geometry,
+)
+from fewclip.backbones.names import backbone_hint
+from fewclip.backbones.preprocess import OPENAI_MEAN, OPENAI_STD, PreprocessConfig, PreprocessError, disagreeing_tags
+from fewclip.backbones.tokenizer import TokenizerNotFound, WordTokenizer, load_hf_tokenizer
+from fewclip.backbones.torchscript import TorchScriptError, archive_prefix, read_torchscript_state_dict
 from fewclip.backbones.towers import TimmTowerCLIP
-from fewclip.backbones.tokenizer import WordTokenizer
+from fewclip.config.sections import DEVICE_PATTERN, PRECISIONS, BackboneConfig, LocalAttentionConfig, backbone_config_from_dict  # noqa: F401  (re-exported)
+from fewclip.utils.checksums import sha256_file
+from fewclip.utils.errors import InputError
+from fewclip.utils.logs import quiet_open_clip
 from fewclip.utils.rng import forked_global_rng
 
 log = logging.getLogger(__name__)
@@ -188,7 +195,7 @@ def _conversion_hint(path: Path, global_name: Optional[str] = None) -> str:
             f"the bare state dict (torch.save(model.state_dict(), path)) from the program that wrote the file")
 
 
-def load_weights_file(path: str | Path) -> Dict[str, torch.Tensor]:
+def load_weights_file(path: str | Path) -> dict[str, torch.Tensor]:
     """A flat state dict from ``path`` (see ``read_checkpoint``), unwrapped from open_clip_train's
     ``{"state_dict": ...}`` and stripped of DistributedDataParallel's ``module.`` prefix."""
     sd = read_checkpoint(path)
@@ -204,7 +211,7 @@ def load_weights_file(path: str | Path) -> Dict[str, torch.Tensor]:
     return sd
 
 
-def check_weights_are_finite_floats(sd: Dict[str, torch.Tensor], keys: Sequence[str], source: str) -> None:
+def check_weights_are_finite_floats(sd: dict[str, torch.Tensor], keys: Sequence[str], source: str) -> None:
     """Refuse weights that are not float16/bfloat16/float32/float64 (quantized, int8) or not finite."""
     bad_dtype = [f"{k} ({sd[k].dtype})" for k in keys if sd[k].dtype not in FLOAT_DTYPES]
     if bad_dtype:
@@ -219,7 +226,7 @@ def check_weights_are_finite_floats(sd: Dict[str, torch.Tensor], keys: Sequence[
             f"damaged or the training diverged; use another checkpoint")
 
 
-def load_state_dict_strict(model: nn.Module, sd: Dict[str, torch.Tensor], source: str) -> None:
+def load_state_dict_strict(model: nn.Module, sd: dict[str, torch.Tensor], source: str) -> None:
     """Load ``sd`` into ``model``; any missing, unexpected or mis-shaped tensor is an error naming ``source``,
     and so is a non-float or non-finite tensor where the model holds floats."""
     own = model.state_dict()
@@ -290,18 +297,18 @@ class Backbone(nn.Module):
         self.source = source
         self.tokenizer_spec = tokenizer_spec or {}
         # What was changed in the towers' attention (fewclip.backbones.attention.apply_local_attention); {} = nothing.
-        self.local_attention: Dict[str, Any] = {}
-        self._variants: Dict[str, Any] = {}  # tower_variant's views of this backbone, made once
+        self.local_attention: dict[str, Any] = {}
+        self._variants: dict[str, Any] = {}  # tower_variant's views of this backbone, made once
         self.freeze()
 
     # -- trainability ------------------------------------------------------
-    def freeze(self) -> "Backbone":
+    def freeze(self) -> Backbone:
         for p in self.parameters():
             p.requires_grad_(False)
         super().train(False)
         return self
 
-    def train(self, mode: bool = True) -> "Backbone":  # the backbone stays in eval mode
+    def train(self, mode: bool = True) -> Backbone:  # the backbone stays in eval mode
         return self
 
     # -- properties --------------------------------------------------------
@@ -385,7 +392,7 @@ class Backbone(nn.Module):
         finally:
             visual.attnpool.c_proj = c_proj
 
-    def tower_variant(self, name: str) -> "Backbone":
+    def tower_variant(self, name: str) -> Backbone:
         """This backbone with its image tower's output replaced: ``"preproj"`` gives the features before the
         projection (ProLIP trains the projection on them). The feature cache and store key features by
         ``variant``, so they are kept apart from the plain ones and encoded once per image and view."""
@@ -400,7 +407,7 @@ class Backbone(nn.Module):
             variants["preproj"] = _PreProjection(self)
         return variants["preproj"]
 
-    def stored_variant(self) -> Optional["_PreProjection"]:
+    def stored_variant(self) -> Optional[_PreProjection]:
         """The tower variant whose features the feature cache and store keep for this backbone's: the
         pre-projection variant where the image tower ends in a linear projection (the projected features are
         derived from them by ``project_features``, so one encoding of an image serves ProLIP and every other
@@ -430,7 +437,7 @@ class Backbone(nn.Module):
             out.append(self.model.encode_text(tokens).float())
         return torch.cat(out)
 
-    def describe(self) -> Dict[str, Any]:
+    def describe(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "source": self.source,
@@ -488,7 +495,7 @@ class _PreProjection:
 # ---------------------------------------------------------------------------
 
 
-def shipped_cards() -> Dict[str, Path]:
+def shipped_cards() -> dict[str, Path]:
     """Cards shipped with fewclip: name -> path."""
     return {p.stem: p for p in sorted(REFERENCE_DIR.glob("*.yaml"))}
 
@@ -514,7 +521,7 @@ def is_card_path(name: str) -> bool:
     return name.endswith((".yaml", ".yml")) or Path(name).is_dir()
 
 
-def read_card(path: str | Path) -> Dict[str, Any]:
+def read_card(path: str | Path) -> dict[str, Any]:
 
     path = card_file(path)
     if not path.is_file():
@@ -547,7 +554,7 @@ def read_card(path: str | Path) -> Dict[str, Any]:
     return card
 
 
-def _card_model_config(card: Dict[str, Any]) -> Dict[str, Any]:
+def _card_model_config(card: dict[str, Any]) -> dict[str, Any]:
 
     if "architecture" in card:
         cfg = get_model_config(card["architecture"])
@@ -577,7 +584,7 @@ def remove_final_ln(model: nn.Module) -> nn.Module:
     return model
 
 
-def build_open_clip_model(model_cfg: Dict[str, Any], image_tower: Optional[Dict[str, Any]] = None) -> nn.Module:
+def build_open_clip_model(model_cfg: dict[str, Any], image_tower: Optional[dict[str, Any]] = None) -> nn.Module:
     """Instantiate an open_clip CLIP / CustomTextCLIP from a model config dict (random init), or with
     ``image_tower`` a ``fewclip.backbones.towers.TimmTowerCLIP`` (that image tower, open_clip's text tower)."""
     cfg = dict(model_cfg)
@@ -591,7 +598,7 @@ def build_open_clip_model(model_cfg: Dict[str, Any], image_tower: Optional[Dict[
     return cls(**cfg)
 
 
-def model_tokenizer(model_cfg: Dict[str, Any], arch: Optional[str], folder: Optional[str | Path], where: str):
+def model_tokenizer(model_cfg: dict[str, Any], arch: Optional[str], folder: Optional[str | Path], where: str):
     """(tokenizer, spec) for an open_clip model config, loaded before the model.
 
     A config naming a Hugging Face tokenizer (``text_cfg.hf_tokenizer_name``) gets it from
@@ -618,7 +625,7 @@ def model_tokenizer(model_cfg: Dict[str, Any], arch: Optional[str], folder: Opti
     return tok, {"type": "open_clip", "name": None}
 
 
-def _card_tokenizer(card: Dict[str, Any], model_cfg: Dict[str, Any], override: Optional[str] = None):
+def _card_tokenizer(card: dict[str, Any], model_cfg: dict[str, Any], override: Optional[str] = None):
     spec = dict(card.get("tokenizer") or {"type": "open_clip"})
     kind = spec.get("type", "open_clip")
     ctx = model_cfg.get("text_cfg", {}).get("context_length", 77)
@@ -653,7 +660,7 @@ def _card_tokenizer(card: Dict[str, Any], model_cfg: Dict[str, Any], override: O
     raise BackboneError(f"card {card['_path']}: tokenizer type must be 'word', 'open_clip' or 'hf', got {kind!r}")
 
 
-def _weights_scalar(sd: Dict[str, torch.Tensor], key: str) -> Optional[torch.Tensor]:
+def _weights_scalar(sd: dict[str, torch.Tensor], key: str) -> Optional[torch.Tensor]:
     t = sd.get(key)
     return None if t is None else t.detach().reshape(-1)[:1]
 
@@ -665,7 +672,7 @@ def _agrees(value: float, stored: torch.Tensor) -> bool:
     return abs(value - s) <= tol
 
 
-def card_geometry(card: Dict[str, Any], sd: Dict[str, torch.Tensor]) -> Geometry:
+def card_geometry(card: dict[str, Any], sd: dict[str, torch.Tensor]) -> Geometry:
     """The card's geometry, every parameter given and the logit scale and bias agreeing with the weights'."""
     where = f"card {card['_path']}"
     params = dict(card["geometry"])
@@ -777,7 +784,7 @@ def _geometry_for_open_clip(model: nn.Module, override: Optional[str]) -> Geomet
             f"architecture does not carry (fewclip would otherwise use curvature 1 and alpha 1). Import the "
             f"checkpoint that holds them (`fewclip import euclip FILE model=ARCH geometry={override} out=DIR`, "
             f"or `fewclip import meru ...`) and use backbone=DIR, or write a backbone card giving them")
-    params: Dict[str, float] = {"logit_scale": scale}
+    params: dict[str, float] = {"logit_scale": scale}
     if override == "sigmoid":
         if bias is None:
             raise BackboneError(
@@ -814,7 +821,7 @@ def known_weights_error(known, arch: str, path: Path, quick_gelu: bool) -> Optio
             f"backbone={known.architecture}")
 
 
-def _check_open_clip_file(arch: str, sd: Dict[str, torch.Tensor], path: Path, known=None) -> Dict[str, torch.Tensor]:
+def _check_open_clip_file(arch: str, sd: dict[str, torch.Tensor], path: Path, known=None) -> dict[str, torch.Tensor]:
     """Refuse files whose layout (or fingerprint, ``known``) says they need more than an open_clip architecture."""
 
     quick_gelu = bool((get_model_config(arch) or {}).get("quick_gelu", False))
@@ -836,7 +843,7 @@ def _check_open_clip_file(arch: str, sd: Dict[str, torch.Tensor], path: Path, kn
     return sd
 
 
-def _open_clip_image_size(model_cfg: Dict[str, Any]) -> int:
+def _open_clip_image_size(model_cfg: dict[str, Any]) -> int:
     size = (model_cfg.get("vision_cfg") or {}).get("image_size", 224)
     return int(size[0] if isinstance(size, (list, tuple)) else size)
 
@@ -984,7 +991,7 @@ def load_backbone(cfg: BackboneConfig) -> Backbone:
     )
 
 
-def list_backbones() -> List[Dict[str, str]]:
+def list_backbones() -> list[dict[str, str]]:
     """What can be loaded: shipped cards with their geometry, then open_clip architectures and tags."""
 
     rows = []
@@ -995,7 +1002,7 @@ def list_backbones() -> List[Dict[str, str]]:
                          "weights": card["weights"], "description": card.get("description", "")})
         except BackboneError as e:
             rows.append({"name": name, "kind": "card", "geometry": "?", "weights": "", "description": f"broken: {e}"})
-    tags: Dict[str, List[str]] = {}
+    tags: dict[str, list[str]] = {}
     for arch, tag in open_clip.list_pretrained():
         tags.setdefault(arch, []).append(tag)
     for arch in open_clip.list_models():

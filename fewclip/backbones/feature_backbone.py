@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Dict, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -36,7 +37,7 @@ class FeatureBackbone:
 
     def __init__(self, geometry: Geometry, classnames: Sequence[str], templates: Sequence[str], text: Tensor, *,
                  name: str = "features", weights_sha256: Optional[str] = None, source: str = "",
-                 feature_dim: Optional[int] = None, info: Optional[Dict[str, Any]] = None):
+                 feature_dim: Optional[int] = None, info: Optional[dict[str, Any]] = None):
         if text.dim() == 2:
             text = text[:, None, :]
         C, T, D = text.shape
@@ -56,8 +57,8 @@ class FeatureBackbone:
         self.info = dict(info or {})
         # What the engine reads for augmented views (a feature file holds its views ready-made) and exports.
         self.image_size, self.mean, self.std = 0, (), ()
-        self.tokenizer_spec: Dict[str, Any] = {}
-        self.local_attention: Dict[str, Any] = {}
+        self.tokenizer_spec: dict[str, Any] = {}
+        self.local_attention: dict[str, Any] = {}
         self.variant = ""
         self.feature_file: Optional[str] = None  # the file it was read from (set by the feature-file dataset)
 
@@ -65,7 +66,7 @@ class FeatureBackbone:
     def device(self) -> torch.device:
         return torch.device("cpu")
 
-    def to(self, *args, **kwargs) -> "FeatureBackbone":
+    def to(self, *args, **kwargs) -> FeatureBackbone:
         return self
 
     def encode_text(self, texts: Sequence[str], batch_size: int = 1024) -> Tensor:
@@ -98,11 +99,11 @@ class FeatureBackbone:
                            f"features only")
 
     @property
-    def identity_extra(self) -> Dict[str, Any]:
+    def identity_extra(self) -> dict[str, Any]:
         """What an export records besides name and checksum: the feature file to rebuild this backbone from."""
         return {"feature_file": self.feature_file} if self.feature_file else {}
 
-    def describe(self) -> Dict[str, Any]:
+    def describe(self) -> dict[str, Any]:
         return {"name": self.name, "source": self.source, "geometry": self.geometry.name,
                 "geometry_params": self.geometry.params(), "weights_sha256": self.weights_sha256,
                 "feature_dim": self.feature_dim, "features": self.info or None}

@@ -28,19 +28,20 @@ files (``tests/test_import_weights.py``).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Dict, Iterable, Mapping, Optional, Tuple
+from typing import Optional
 
 import numpy as np
-import torch
 import open_clip
+import torch
 from open_clip.factory import get_model_config
 
 N_SIGNS = 4096
 # Wrappers that training code puts in front of every key (DistributedDataParallel, torch.compile, ...).
 PREFIXES = ("module.", "_orig_mod.", "model.", "state_dict.")
 # role -> the names that tensor has in the layouts fewclip reads (after canonical_key).
-ROLES: Dict[str, Tuple[str, ...]] = {
+ROLES: dict[str, tuple[str, ...]] = {
     "text_token_embedding": ("token_embedding.weight", "text.token_embedding.weight", "textual.token_embed.weight"),
     "image_input_embedding": ("visual.conv1.weight", "visual.patch_embed.proj.weight",
                               "visual.trunk.patch_embed.proj.weight", "visual.trunk.conv1.weight"),
@@ -58,7 +59,7 @@ def canonical_key(key: str) -> str:
     return key
 
 
-def _role_tensors(sd: Mapping[str, torch.Tensor]) -> Optional[Dict[str, torch.Tensor]]:
+def _role_tensors(sd: Mapping[str, torch.Tensor]) -> Optional[dict[str, torch.Tensor]]:
     by_name = {canonical_key(k): v for k, v in sd.items() if isinstance(v, torch.Tensor)}
     out = {}
     for role, names in ROLES.items():
@@ -98,7 +99,7 @@ class KnownWeights:
     fingerprint: str = ""  # empty until computed from the published file (scripts/fingerprint_weights.py)
 
 
-def _open_clip_entries() -> Tuple[KnownWeights, ...]:
+def _open_clip_entries() -> tuple[KnownWeights, ...]:
     """The open_clip tags published under a GELU architecture name but trained with QuickGELU (open_clip's
     pretrained configuration says ``quick_gelu``): a local file of them is the trap. OpenAI's nine among them."""
 
@@ -119,10 +120,10 @@ MERU_ENTRIES = (
 )
 # KnownWeights.name -> fingerprint, for the published files fingerprinted so far (none yet: no published file
 # could be downloaded where this was written; see the module's docstring).
-FINGERPRINTS: Dict[str, str] = {}
+FINGERPRINTS: dict[str, str] = {}
 
 
-def known_weights() -> Tuple[KnownWeights, ...]:
+def known_weights() -> tuple[KnownWeights, ...]:
     """Every known published checkpoint, with its fingerprint where it has been computed."""
     return tuple(replace(e, fingerprint=FINGERPRINTS.get(e.name, "")) for e in (*_open_clip_entries(), *MERU_ENTRIES))
 

@@ -191,11 +191,11 @@ def log_map0(x: Tensor, curv: float | Tensor, eps: float = 1e-8) -> Tensor:
 # geometry modules
 
 # A package adds a geometry through the entry point group ``fewclip.geometries`` (fewclip.utils.registry).
-GEOMETRIES: Registry[type["Geometry"]] = Registry("geometry", "fewclip.geometries", key="backbone.geometry",
+GEOMETRIES: Registry[type[Geometry]] = Registry("geometry", "fewclip.geometries", key="backbone.geometry",
                                                   listing="fewclip backbones")
 
 
-def register_geometry(cls: type["Geometry"]) -> type["Geometry"]:
+def register_geometry(cls: type[Geometry]) -> type[Geometry]:
     """Class decorator: add ``cls`` to ``GEOMETRIES`` under ``cls.name``."""
     GEOMETRIES.register(cls.name, cls)
     return cls
@@ -244,7 +244,7 @@ class Geometry(nn.Module):
         """The logit multiplier ``exp(log_scale)`` (0-dim tensor, keeps its graph)."""
         return self.log_scale.exp()
 
-    def clamp_(self) -> "Geometry":
+    def clamp_(self) -> Geometry:
         """Keep learned parameters in range after an optimiser step: scale at most 100."""
         with torch.no_grad():
             self.log_scale.clamp_(max=_LOG_SCALE_MAX)
@@ -477,7 +477,7 @@ class HyperbolicGeometry(Geometry):
         """``c`` of the hyperboloid ``<x, x>_L = -1/c`` (0-dim tensor)."""
         return self.log_curvature.exp()
 
-    def clamp_(self) -> "HyperbolicGeometry":
+    def clamp_(self) -> HyperbolicGeometry:
         """Scale at most 100; curvature within [init / 10, init * 10] as in MERU."""
         super().clamp_()
         with torch.no_grad():

@@ -20,18 +20,19 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Optional
 
 import torch
-
-from fewclip.utils.registry import Registry
-from fewclip.backbones.backbone import CARD_FILE, BackboneConfig, BackboneError, load_backbone, sha256_file
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
+
+from fewclip.backbones.backbone import CARD_FILE, BackboneConfig, BackboneError, load_backbone, sha256_file
 from fewclip.utils.io import _umask, atomic_write_text
 from fewclip.utils.logs import quiet
+from fewclip.utils.registry import Registry
 
 
 class CheckpointImportError(BackboneError):
@@ -42,11 +43,11 @@ class CheckpointImportError(BackboneError):
 class Imported:
     """What a format read: weights in the card model's layout and the card's sections."""
 
-    weights: Dict[str, torch.Tensor]
+    weights: dict[str, torch.Tensor]
     # architecture | model_config (+ image_tower), final_ln, tokenizer, geometry, preprocess
-    card: Dict[str, Any]
+    card: dict[str, Any]
     # What was read or decided (stored parameters, clamps applied, defaults taken from the authors' code).
-    notes: List[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
     # A Hugging Face tokenizer to save into the card folder (an open_clip HFTokenizer's .tokenizer).
     hf_tokenizer: Any = None
 
@@ -55,10 +56,10 @@ class Imported:
 class Format:
     name: str
     # read(checkpoint path, options) -> Imported
-    read: Callable[[Path, Dict[str, str]], Imported]
+    read: Callable[[Path, dict[str, str]], Imported]
     # option -> what it means; "prefix.*" accepts any key under the prefix
-    options: Dict[str, str]
-    required: Tuple[str, ...] = ()
+    options: dict[str, str]
+    required: tuple[str, ...] = ()
     # One line: whose files, what is read from them.
     summary: str = ""
 
@@ -98,7 +99,7 @@ def formats_usage() -> str:
 
 
 def import_checkpoint(fmt_name: str, checkpoint: str | Path, out: str | Path,
-                      options: Optional[Dict[str, str]] = None, name: Optional[str] = None) -> Tuple[Path, Any]:
+                      options: Optional[dict[str, str]] = None, name: Optional[str] = None) -> tuple[Path, Any]:
     """Read ``checkpoint`` as ``fmt_name`` and write the card folder ``out``; returns (card path, backbone)."""
 
     if fmt_name not in FORMATS:
@@ -124,7 +125,7 @@ def import_checkpoint(fmt_name: str, checkpoint: str | Path, out: str | Path,
     try:
         weights = {k: v.detach().cpu().contiguous().clone() for k, v in imported.weights.items()}
         save_file(weights, str(tmp / "weights.safetensors"))
-        card: Dict[str, Any] = {"name": name or out.name, **imported.card}
+        card: dict[str, Any] = {"name": name or out.name, **imported.card}
         if imported.hf_tokenizer is not None:
             imported.hf_tokenizer.save_pretrained(str(tmp / "tokenizer"))
             card["tokenizer"] = {**card["tokenizer"], "path": "tokenizer"}
@@ -160,7 +161,7 @@ def name_users_file(message: str, tmp: Path, checkpoint: Path, fmt: str) -> str:
     return message
 
 
-def parse_import_args(args: Sequence[str]) -> Tuple[str, str, str, Optional[str], Dict[str, str]]:
+def parse_import_args(args: Sequence[str]) -> tuple[str, str, str, Optional[str], dict[str, str]]:
     """``FORMAT CHECKPOINT out=DIR [name=NAME] [key=value ...]`` -> (format, checkpoint, out, name, options)."""
     positional = [a for a in args if "=" not in a]
     pairs = [a.split("=", 1) for a in args if "=" in a]

@@ -3,7 +3,7 @@ torch is imported, ``fewclip.cli.early_check``; ``load_backbone`` gives the same
 from __future__ import annotations
 
 import difflib
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def backbone_hint(name: str, cards: Sequence[str], archs: Sequence[str]) -> str:

@@ -28,8 +28,10 @@ The resize modes (open_clip's names):
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Optional
+
 import open_clip
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -46,7 +48,7 @@ class PreprocessError(ValueError):
     """A preprocessing configuration that is not one fewclip (open_clip) can apply; the message names the field."""
 
 
-def _triple(value: Any, name: str) -> Tuple[float, float, float]:
+def _triple(value: Any, name: str) -> tuple[float, float, float]:
     if isinstance(value, (int, float)):
         value = (value,) * 3
     try:
@@ -69,9 +71,9 @@ class PreprocessConfig:
         '"squash": both sides to size (aspect ratio changed).')})
     interpolation: str = field(default="bicubic", metadata={"help": (
         'Resampling filter: "bicubic" (OpenAI CLIP) or "bilinear".')})
-    mean: Tuple[float, float, float] = field(default=OPENAI_MEAN, metadata={"help": (
+    mean: tuple[float, float, float] = field(default=OPENAI_MEAN, metadata={"help": (
         "Per-channel mean subtracted after scaling to [0, 1] (RGB).")})
-    std: Tuple[float, float, float] = field(default=OPENAI_STD, metadata={"help": (
+    std: tuple[float, float, float] = field(default=OPENAI_STD, metadata={"help": (
         "Per-channel standard deviation divided by after the mean (RGB).")})
     fill_color: int = field(default=0, metadata={"help": (
         "Padding value (0-255) where resize_mode=longest pads the image to a square.")})
@@ -93,7 +95,7 @@ class PreprocessConfig:
 
     # -- construction ------------------------------------------------------
     @classmethod
-    def from_mapping(cls, values: Optional[Mapping[str, Any]], size: int, where: str = "preprocess") -> "PreprocessConfig":
+    def from_mapping(cls, values: Optional[Mapping[str, Any]], size: int, where: str = "preprocess") -> PreprocessConfig:
         """open_clip's defaults, overlaid with ``values`` (a card's ``preprocess`` section, a pretrained config);
         ``size`` is the image tower's, and a ``size`` in ``values`` must agree with it."""
         values = dict(values or {})
@@ -112,7 +114,7 @@ class PreprocessConfig:
             raise PreprocessError(f"{where}: {e}") from None
 
     @classmethod
-    def for_open_clip_tag(cls, arch: str, tag: str, size: int) -> "PreprocessConfig":
+    def for_open_clip_tag(cls, arch: str, tag: str, size: int) -> PreprocessConfig:
         """What ``open_clip.create_model(arch, pretrained=tag)`` sets: its defaults overlaid with the tag's
         pretrained configuration (``open_clip.get_pretrained_cfg``)."""
 
@@ -129,13 +131,13 @@ class PreprocessConfig:
                                          resize_mode=self.resize_mode, interpolation=self.interpolation,
                                          fill_color=self.fill_color)
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """Plain values (lists, not tuples): for a card, a run record and the feature store's address."""
         d = asdict(self)
         d["mean"], d["std"] = list(self.mean), list(self.std)
         return d
 
-    def card_section(self) -> Dict[str, Any]:
+    def card_section(self) -> dict[str, Any]:
         """The card's ``preprocess`` section (every field but the size, which is the image tower's)."""
         return {k: v for k, v in self.to_dict().items() if k != "size"}
 
@@ -145,7 +147,7 @@ class PreprocessConfig:
         return (f"{how.format(s=self.size, f=self.fill_color)} ({self.interpolation}); mean "
                 f"{[round(m, 8) for m in self.mean]}, std {[round(s, 8) for s in self.std]}")
 
-    def differences(self, other: "PreprocessConfig") -> List[str]:
+    def differences(self, other: PreprocessConfig) -> list[str]:
         """The fields (size excluded) where ``other`` differs, as ``field: self -> other``."""
         out = []
         for f in SETTABLE:
@@ -155,14 +157,14 @@ class PreprocessConfig:
         return out
 
 
-def published_preprocess(arch: str, size: int) -> Dict[str, PreprocessConfig]:
+def published_preprocess(arch: str, size: int) -> dict[str, PreprocessConfig]:
     """open_clip's published tags of ``arch`` -> the preprocessing each was trained (and is evaluated) with."""
 
     return {tag: PreprocessConfig.for_open_clip_tag(arch, tag, size)
             for tag in open_clip.list_pretrained_tags_by_model(arch)}
 
 
-def disagreeing_tags(arch: str, size: int, chosen: PreprocessConfig) -> List[str]:
+def disagreeing_tags(arch: str, size: int, chosen: PreprocessConfig) -> list[str]:
     """The published tags of ``arch`` whose preprocessing differs from ``chosen``, as "tag: what differs"."""
     return sorted(f"{tag}: {', '.join(chosen.differences(cfg))}"
                   for tag, cfg in published_preprocess(arch, size).items() if chosen.differences(cfg))
@@ -171,7 +173,7 @@ def disagreeing_tags(arch: str, size: int, chosen: PreprocessConfig) -> List[str
 def parse_preprocess_options(options: Mapping[str, str], size: int, base: PreprocessConfig) -> PreprocessConfig:
     """``base`` with the command-line options of ``fewclip import`` applied (``mean=R,G,B``, ``std=R,G,B``,
     ``resize_mode=``, ``interpolation=``, ``fill_color=``)."""
-    values: Dict[str, Any] = {}
+    values: dict[str, Any] = {}
     for k in ("mean", "std"):
         if k in options:
             try:

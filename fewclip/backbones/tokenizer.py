@@ -24,11 +24,13 @@ import json
 import logging
 import re
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, List, Sequence, Union
+from typing import Union
 
 import torch
 from open_clip.tokenizer import HFTokenizer
+
 from fewclip.utils.io import atomic_write_json
 
 PAD, SOT, UNK = "<pad>", "<start_of_text>", "<unk>"
@@ -45,8 +47,8 @@ class WordTokenizer:
                 raise ValueError(f"vocabulary word {w!r} is not a lowercase alphanumeric word")
         self.words = words
         tokens = [PAD, SOT, UNK] + words + [EOT]
-        self.encoder: Dict[str, int] = {t: i for i, t in enumerate(tokens)}
-        self.decoder: Dict[int, str] = {i: t for t, i in self.encoder.items()}
+        self.encoder: dict[str, int] = {t: i for i, t in enumerate(tokens)}
+        self.decoder: dict[int, str] = {i: t for t, i in self.encoder.items()}
         self.pad_token_id = 0
         self.sot_token_id = 1
         self.unk_token_id = 2
@@ -55,7 +57,7 @@ class WordTokenizer:
         self.context_length = context_length
         self._warned: set = set()  # unknown words already named in the log
 
-    def encode(self, text: str) -> List[int]:
+    def encode(self, text: str) -> list[int]:
         """The ids of ``text``'s words (no special tokens); an unknown word is the unknown token, and the first
         time a word is met that way the log names it (module docstring)."""
         words = _WORD.findall(text.lower())
@@ -78,7 +80,7 @@ class WordTokenizer:
             out.append(self.decoder.get(i, UNK))
         return " ".join(out)
 
-    def unknown_words(self, text: str) -> List[str]:
+    def unknown_words(self, text: str) -> list[str]:
         return [w for w in _WORD.findall(text.lower()) if w not in self.encoder]
 
     def __call__(self, texts: Union[str, Sequence[str]], context_length: int | None = None) -> torch.LongTensor:
@@ -103,7 +105,7 @@ class WordTokenizer:
         atomic_write_json(path, self.to_dict())
 
     @classmethod
-    def load(cls, path: Union[str, Path]) -> "WordTokenizer":
+    def load(cls, path: Union[str, Path]) -> WordTokenizer:
         with open(path, encoding="utf-8") as f:
             d = json.load(f)
         if d.get("type") != "word" or "vocab" not in d:
@@ -154,7 +156,7 @@ class HFTextTokenizer:
     def __call__(self, texts: Union[str, Sequence[str]], context_length: int | None = None) -> torch.LongTensor:
         return self.oc(texts, context_length=context_length)
 
-    def encode(self, text: str) -> List[int]:
+    def encode(self, text: str) -> list[int]:
         return list(self.hf(self.oc.clean_fn(text), add_special_tokens=False)["input_ids"])
 
     def decode(self, ids: Sequence[int]) -> str:

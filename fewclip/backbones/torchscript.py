@@ -28,7 +28,7 @@ import pickle
 import re
 import zipfile
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 import torch
 
@@ -61,9 +61,9 @@ def archive_prefix(path: str | Path) -> str | None:
     return prefix if any(n.startswith(f"{prefix}/code/") for n in names) else None
 
 
-def _declarations(z: zipfile.ZipFile, prefix: str) -> Dict[str, Tuple[List[str], List[str]]]:
+def _declarations(z: zipfile.ZipFile, prefix: str) -> dict[str, tuple[list[str], list[str]]]:
     """Qualified class name -> (parameter names, buffer names), read as text from ``code/``."""
-    decls: Dict[str, Tuple[List[str], List[str]]] = {}
+    decls: dict[str, tuple[list[str], list[str]]] = {}
     code = f"{prefix}/code/"
     for name in z.namelist():
         if not (name.startswith(code) and name.endswith(".py")):
@@ -93,8 +93,8 @@ class _Unpickler(pickle.Unpickler):
     def __init__(self, file, z: zipfile.ZipFile, prefix: str):
         super().__init__(file)
         self._z, self._prefix = z, prefix
-        self._classes: Dict[str, type] = {}
-        self._storages: Dict[str, torch.Tensor] = {}
+        self._classes: dict[str, type] = {}
+        self._storages: dict[str, torch.Tensor] = {}
         self.byteorder = "little"
 
     def find_class(self, module: str, name: str):
@@ -134,7 +134,7 @@ def _rebuild_tensor(storage: torch.Tensor, offset: int, size, stride, *args) -> 
     return storage.as_strided(tuple(size), tuple(stride), offset).clone()
 
 
-def read_torchscript_state_dict(path: str | Path) -> Dict[str, torch.Tensor]:
+def read_torchscript_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """The ``state_dict()`` of the module saved in TorchScript archive ``path``, code never run."""
     prefix = archive_prefix(path)
     if prefix is None:
@@ -154,12 +154,12 @@ def read_torchscript_state_dict(path: str | Path) -> Dict[str, torch.Tensor]:
                 raise TorchScriptError(f"cannot read data.pkl: {type(e).__name__}: {e}") from None
     if not isinstance(root, _ScriptObject):
         raise TorchScriptError("the archive's data.pkl does not hold a TorchScript module")
-    out: Dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     _collect(root, "", decls, out)
     return out
 
 
-def _collect(obj: _ScriptObject, prefix: str, decls, out: Dict[str, torch.Tensor]) -> None:
+def _collect(obj: _ScriptObject, prefix: str, decls, out: dict[str, torch.Tensor]) -> None:
     if obj.qualname not in decls:
         raise TorchScriptError(f"class {obj.qualname} has no declaration in the archive's code/")
     state = getattr(obj, "state", None)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from functools import partial
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
@@ -39,7 +39,7 @@ IMAGE_TOWER_KEYS = {"timm_model", "timm_kwargs", "norm_eps", "image_size", "proj
 class TimmImageTower(nn.Module):
     """A timm image model without its classifier, then a linear projection to ``embed_dim``."""
 
-    def __init__(self, spec: Dict[str, Any], embed_dim: int):
+    def __init__(self, spec: dict[str, Any], embed_dim: int):
         super().__init__()
         try:
             import timm  # only cards with a timm image tower (MERU's) need it: a start-up cost otherwise
@@ -67,7 +67,7 @@ class TimmImageTower(nn.Module):
         return self.head(self.trunk(x))
 
 
-def _open_clip_text_tower(embed_dim: int, text_cfg: Dict[str, Any], quick_gelu: bool) -> nn.Module:
+def _open_clip_text_tower(embed_dim: int, text_cfg: dict[str, Any], quick_gelu: bool) -> nn.Module:
     # open_clip's own builder for a text tower from a text_cfg dict, so that every text_cfg key means
     # exactly what it means in open_clip. It is private API: wrapped here, once.
 
@@ -77,7 +77,7 @@ def _open_clip_text_tower(embed_dim: int, text_cfg: Dict[str, Any], quick_gelu: 
 class TimmTowerCLIP(nn.Module):
     """A CLIP-style dual encoder: ``TimmImageTower`` + open_clip text tower + logit scale (and bias)."""
 
-    def __init__(self, embed_dim: int, image_tower: Dict[str, Any], text_cfg: Dict[str, Any],
+    def __init__(self, embed_dim: int, image_tower: dict[str, Any], text_cfg: dict[str, Any],
                  quick_gelu: bool = False, init_logit_scale: float = math.log(1 / 0.07),
                  init_logit_bias: Optional[float] = None):
         super().__init__()

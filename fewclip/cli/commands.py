@@ -6,37 +6,37 @@ import dataclasses
 import importlib
 import logging
 import time
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from pathlib import Path
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
 from fewclip import api
 from fewclip.adapter.base import ADAPTERS, adapter_info
-from fewclip.backbones.backbone import describe_backbone_source, list_backbones
-from fewclip.cli.table import BY_NAME  # each command's usage line
-from fewclip.config.compose import ConfigError, RunConfig, compose, describe_config, load_config, to_object
-from fewclip.data.base import DATASETS, build_dataset
-from fewclip.training.evals import describe_evals
 from fewclip.adapter.exports import load_prompts
-from fewclip.runs.export import export_run
-from fewclip.config.compose import FeaturesConfig
-from fewclip.cli.features import cmd_features as features_command
-from fewclip.data.image_check import describe_bad, find_bad_images, n_images
-from fewclip.cli.predict_files import check_out, expand_images, write_predictions
-from fewclip.utils.progress import progress
+from fewclip.backbones.backbone import describe_backbone_source, list_backbones
 from fewclip.backbones.importer import formats_usage, import_from_args
+from fewclip.cli.features import cmd_features as features_command
+from fewclip.cli.predict_files import check_out, expand_images, write_predictions
 from fewclip.cli.quickhelp import HEADER
-from fewclip.utils.logs import setup_logging  # fewclip's lines at the chosen level, other libraries' from WARNING up
-from fewclip.runs.records import prepare_dir
-from fewclip.report import write_report
-from fewclip.config.report import ReportOptions
+from fewclip.cli.table import BY_NAME  # each command's usage line
+from fewclip.config.compose import ConfigError, FeaturesConfig, RunConfig, compose, describe_config, load_config, to_object
 from fewclip.config.presets import describe_presets, presets_of
-from fewclip.runs.run import as_train_config, load_train_config, preset_defaults
-from fewclip.features.store import FeatureStore, matches_dataset, store_setting, under_root
+from fewclip.config.report import ReportOptions
+from fewclip.data.base import DATASETS, build_dataset
+from fewclip.data.image_check import describe_bad, find_bad_images, n_images
 from fewclip.data.split_files import SplitOptions, export_split, import_split
+from fewclip.features.store import FeatureStore, matches_dataset, store_setting, under_root
+from fewclip.report import write_report
+from fewclip.runs.export import export_run
+from fewclip.runs.records import prepare_dir
+from fewclip.runs.run import as_train_config, load_train_config, preset_defaults
 from fewclip.runs.sweep import load_sweep_config
+from fewclip.training.evals import describe_evals
+from fewclip.utils.logs import setup_logging  # fewclip's lines at the chosen level, other libraries' from WARNING up
+from fewclip.utils.progress import progress
 
 log = logging.getLogger("fewclip")
 
@@ -60,7 +60,7 @@ def parse_command(command: str, args: Sequence[str], schema: type):
         raise ConfigError(f"{e}; {BY_NAME[command].usage}") from None
 
 
-def _table(rows: List[Dict[str, str]], cols: Sequence[str]) -> str:
+def _table(rows: list[dict[str, str]], cols: Sequence[str]) -> str:
     widths = {c: max(len(c), *(len(str(r.get(c, ""))) for r in rows)) if rows else len(c) for c in cols}
     lines = ["  ".join(c.ljust(widths[c]) for c in cols), "  ".join("-" * widths[c] for c in cols)]
     lines += ["  ".join(str(r.get(c, "")).ljust(widths[c]) for c in cols) for r in rows]
@@ -131,7 +131,7 @@ def cmd_datasets(args: Sequence[str]) -> int:
     return 0
 
 
-def _balanced_words(m: Dict[str, Any]) -> str:
+def _balanced_words(m: dict[str, Any]) -> str:
     """`` (mean per-class 33.33%)``: beside top-1, which an imbalanced test set inflates; empty where not recorded."""
     return f" (mean per-class {m['mean_per_class']:.2f}%)" if m.get("mean_per_class") is not None else ""
 
@@ -395,7 +395,7 @@ def _sweep_defaults(args: Sequence[str] = ()):
 
 
 # `fewclip COMMAND --help` prints these configs, each option with its help from the dataclass field's metadata.
-CONFIG_SCHEMAS: Dict[str, Callable[[Sequence[str]], object]] = {"zeroshot": lambda args: RunConfig(),
+CONFIG_SCHEMAS: dict[str, Callable[[Sequence[str]], object]] = {"zeroshot": lambda args: RunConfig(),
                                                                 "train": _train_defaults,
                                                                 "sweep": _sweep_defaults,
                                                                 "features": lambda args: FeaturesConfig()}

@@ -9,8 +9,9 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Optional
 
 from fewclip.backbones.names import backbone_hint  # noqa: F401  (re-exported)
 from fewclip.config.compose import ConfigError
@@ -23,11 +24,11 @@ class UnknownBackboneError(InputError):
     """A backbone name that is no card, shipped card or open_clip architecture."""
 
 
-def shipped_card_names() -> List[str]:
+def shipped_card_names() -> list[str]:
     return sorted(p.stem for p in REFERENCE_DIR.glob("*.yaml"))
 
 
-def open_clip_architectures() -> List[str]:
+def open_clip_architectures() -> list[str]:
     """open_clip's architecture names, from its model config files (without importing open_clip and torch)."""
     spec = importlib.util.find_spec("open_clip")
     folders = list(spec.submodule_search_locations or []) if spec else []

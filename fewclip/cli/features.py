@@ -13,20 +13,20 @@ trip); a run of another seed uses the file's views as they are. Features come th
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 from omegaconf import OmegaConf
 
-from fewclip.data.base import build_dataset
-from fewclip.features.feature_file import write_feature_file
-
 from fewclip.backbones.backbone import load_backbone
 from fewclip.config.compose import ConfigError, FeaturesConfig, load_config  # noqa: F401  (FeaturesConfig re-exported)
-from fewclip.features.encode import Augment, FeatureCache, View, class_text_features
-from fewclip.features.store import open_store
+from fewclip.data.base import build_dataset
 from fewclip.data.splits import test_items
+from fewclip.features.encode import Augment, FeatureCache, View, class_text_features
+from fewclip.features.feature_file import write_feature_file
+from fewclip.features.store import open_store
 
 log = logging.getLogger(__name__)
 

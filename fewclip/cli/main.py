@@ -8,7 +8,7 @@ import importlib
 import os
 import sys
 import traceback
-from typing import Sequence
+from collections.abc import Sequence
 
 from fewclip.cli.table import BY_NAME, COMMANDS
 from fewclip.utils.env import describe_environment
@@ -28,10 +28,10 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
-USAGE = """usage: fewclip COMMAND [file.yaml ...] [key=value ...]
+USAGE = f"""usage: fewclip COMMAND [file.yaml ...] [key=value ...]
 
 commands:
-{commands}
+{_usage()}
 
 Overrides use omegaconf dotlist syntax (data.templates=single); backbone=NAME,
 data=NAME and adapter=NAME set that section's name. `fewclip COMMAND --help`
@@ -39,8 +39,8 @@ prints the command's full config with its defaults. An error prints one line
 (exit code 2: bad input, 1: the run failed); --debug or FEWCLIP_DEBUG=1 adds the trace.
 
 environment:
-{environment}
-""".format(commands=_usage(), environment=describe_environment())
+{describe_environment()}
+"""
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import csv
 import io
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import List, Sequence, Tuple
 
 from PIL import Image
 
@@ -25,7 +25,7 @@ def image_suffixes() -> set:
     return {ext.lower() for ext in Image.registered_extensions()}
 
 
-def expand_images(paths: Sequence[str]) -> List[str]:
+def expand_images(paths: Sequence[str]) -> list[str]:
     """The image files the arguments name: a file as given, a folder as the image files under it."""
     suffixes, out = image_suffixes(), []
     for p in paths:
@@ -50,7 +50,7 @@ def check_out(out: str) -> Path:
     return path
 
 
-def write_predictions(out: str | Path, images: Sequence[str], preds: Sequence[Sequence[Tuple[str, float]]]) -> Path:
+def write_predictions(out: str | Path, images: Sequence[str], preds: Sequence[Sequence[tuple[str, float]]]) -> Path:
     path = check_out(str(out))
     if path.suffix.lower() == ".json":
         rows = [{"image": img, "top": [{"class": c, "probability": round(p, 6)} for c, p in top]}

@@ -6,12 +6,23 @@ sources) :func:`help_lines` returns None and the command's full help imports wha
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import field, make_dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Optional
 
 from fewclip.adapter.index import load_index
-from fewclip.config.compose import (FeaturesConfig, RunConfig, TrainRunFields, compose, find_yaml, load_yaml, section_name_of,
-                     split_args, to_object, train_base)
+from fewclip.config.compose import (
+    FeaturesConfig,
+    RunConfig,
+    TrainRunFields,
+    compose,
+    find_yaml,
+    load_yaml,
+    section_name_of,
+    split_args,
+    to_object,
+    train_base,
+)
 from fewclip.config.help import describe_config
 from fewclip.config.presets import FEWCLIP, preset_name_of
 from fewclip.config.sections import LAUNCHER_SECTIONS, AdapterConfig
@@ -31,10 +42,10 @@ def _type(text: str):
     inner = _type(m.group(2)) if m else None
     if inner is None:
         return None
-    return Optional[inner] if m.group(1) == "Optional" else List[inner]
+    return Optional[inner] if m.group(1) == "Optional" else list[inner]
 
 
-def _section(entry: Dict[str, Any]) -> Optional[AdapterConfig]:
+def _section(entry: dict[str, Any]) -> Optional[AdapterConfig]:
     """A stand-in for the method's config dataclass: the same fields, types, defaults and help."""
     specs = []
     for f in entry["fields"]:
@@ -69,7 +80,7 @@ CONFIGS = {"zeroshot": lambda args: RunConfig(), "features": lambda args: Featur
            "sweep": _sweep}
 
 
-def help_lines(command: str, args: Sequence[str]) -> Optional[List[str]]:
+def help_lines(command: str, args: Sequence[str]) -> Optional[list[str]]:
     """The help of ``fewclip COMMAND ARGS --help`` (the config those arguments give, each option with its help),
     or None when it needs the methods or launchers imported."""
     config = CONFIGS[command]([a for a in args if a not in ("--help", "-h")])

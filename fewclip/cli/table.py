@@ -11,14 +11,15 @@ Light: nothing here imports torch, open_clip or any fewclip module above ``fewcl
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Optional
 
 
 @dataclass(frozen=True)
 class Command:
     name: str
-    summary: Tuple[str, ...]  # `fewclip --help`: the first line beside the name, the rest indented under it
+    summary: tuple[str, ...]  # `fewclip --help`: the first line beside the name, the rest indented under it
     run: str  # "module:function" taking the arguments (after the command's name) and returning the exit code
     usage: Optional[str] = None  # `fewclip NAME --help` of a command without a run config
     options: Optional[str] = None  # "module:Class": a torch-free options dataclass that --help prints with its help
@@ -35,7 +36,7 @@ class Command:
 
 HEAVY = "fewclip.cli.commands"  # the commands that load models (torch, open_clip: seconds to import)
 
-COMMANDS: Tuple[Command, ...] = (
+COMMANDS: tuple[Command, ...] = (
     Command("backbones", (
         "list the backbones fewclip can load, with their geometry; fewclip backbones NAME shows one",
         "(its weights, geometry and image preprocessing; an open_clip architecture: every tag's)"),
@@ -113,5 +114,5 @@ COMMANDS: Tuple[Command, ...] = (
         f"{HEAVY}:cmd_import",
         usage="usage: fewclip import FORMAT CHECKPOINT out=DIR [key=value ...] (`fewclip import` lists the formats)"),
 )
-BY_NAME: Dict[str, Command] = {c.name: c for c in COMMANDS}
+BY_NAME: dict[str, Command] = {c.name: c for c in COMMANDS}
 assert len(BY_NAME) == len(COMMANDS), "a command is declared twice"

@@ -17,24 +17,23 @@ config pieces shipped with fewclip (``configs/`` in the repository), so
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
+from typing import Any, Optional
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from fewclip.utils.errors import InputError
+import fewclip.configs as configs_pkg
+from fewclip.config.help import describe_config, field_help  # noqa: F401  (re-exported: help as data)
 from fewclip.config.presets import FEWCLIP
 from fewclip.config.sections import AdapterConfig, BackboneConfig, TrainConfig
 from fewclip.data.base import DataConfig
-from fewclip.utils.explog import LogConfig
 from fewclip.data.protocols import PROTOCOLS, TRANSFER_PROTOCOLS, default_targets
-import yaml
-
-import fewclip.configs as configs_pkg
-
-from fewclip.config.help import describe_config, field_help  # noqa: F401  (re-exported: help as data)
+from fewclip.utils.errors import InputError
+from fewclip.utils.explog import LogConfig
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 SHORTHANDS = ("backbone", "data", "adapter", "launcher")
@@ -65,7 +64,7 @@ class RunConfig:
         'base2new (train on the first half of the classes, test on both halves), cross_dataset (train on `data`, '
         'test on other datasets with their own class names) or domain_shift (test on shifted versions of `data` '
         'with its classes or some of them).')})
-    targets: List[str] = field(default_factory=list, metadata={"help": (
+    targets: list[str] = field(default_factory=list, metadata={"help": (
         'The test datasets of cross_dataset and domain_shift, by name, each read with this `data` section (its '
         "name changed, no split_file); empty: the protocol's default targets of `data.name`.")})
     transductive: str = field(default="none", metadata={"help": (
@@ -118,7 +117,7 @@ class TrainRunFields(RunConfig):
         'A named preset of the method\'s adapter.* and train.* settings (fewclip.config.presets): fewclip (its own '
         'defaults), authors (the authors\' released procedure), paper, ...; `fewclip adapters NAME` lists them. '
         'Applied before the other arguments: an explicit adapter.X=... or train.X=... wins over the preset.')})
-    preset_set: Dict[str, Any] = field(default_factory=dict, metadata={"help": (
+    preset_set: dict[str, Any] = field(default_factory=dict, metadata={"help": (
         "Written by fewclip: the preset's values in effect (those no explicit argument overrode).")})
 
 
@@ -146,8 +145,8 @@ class FeaturesConfig:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
 
 
-def train_base(schema: Type, adapter: AdapterConfig, train_defaults: Dict[str, Any], trains: bool,
-               preset: Optional[Dict[str, Any]] = None) -> DictConfig:
+def train_base(schema: type, adapter: AdapterConfig, train_defaults: dict[str, Any], trains: bool,
+               preset: Optional[dict[str, Any]] = None) -> DictConfig:
     """The defaults a train config's arguments are composed on (``schema``: ``TrainRunFields`` or a subclass):
     ``adapter`` is the method's section with its defaults, ``train_defaults`` its own ``train`` values, a method
     that trains on no images (``trains`` false) runs at 0 shots, and ``preset`` (``fewclip.config.presets``) is merged
@@ -160,7 +159,7 @@ def train_base(schema: Type, adapter: AdapterConfig, train_defaults: Dict[str, A
     return base
 
 
-def packaged_config_dirs() -> List[Path]:
+def packaged_config_dirs() -> list[Path]:
     dirs = [CONFIG_DIR]
     dirs.append(Path(configs_pkg.__file__).resolve().parent)  # the installed copy of configs/
     return dirs
@@ -209,7 +208,7 @@ def load_yaml(path: str | Path) -> DictConfig:
     return node
 
 
-def split_args(args: Sequence[str]) -> Tuple[List[str], List[str]]:
+def split_args(args: Sequence[str]) -> tuple[list[str], list[str]]:
     """Separate YAML files from key=value overrides; anything else is an error."""
     yamls, dotlist = [], []
     for a in args:
@@ -269,7 +268,7 @@ def _from_dotlist(dotlist: Sequence[str]) -> DictConfig:
         raise
 
 
-def compose(schema: Type, args: Sequence[str], base: Optional[DictConfig] = None) -> DictConfig:
+def compose(schema: type, args: Sequence[str], base: Optional[DictConfig] = None) -> DictConfig:
     yamls, dotlist = split_args(args)
     cfg = base if base is not None else OmegaConf.structured(schema)
     OmegaConf.set_struct(cfg, True)
@@ -303,7 +302,7 @@ def to_object(cfg: DictConfig) -> Any:
         raise ConfigError(f"bad config: {e}") from None
 
 
-def load_config(args: Sequence[str], schema: Type = RunConfig) -> Any:
+def load_config(args: Sequence[str], schema: type = RunConfig) -> Any:
     return to_object(compose(schema, args))
 
 

@@ -16,15 +16,15 @@ name are an error.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any, List, Sequence, Tuple
+from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from fewclip.data.base import DataConfig, dataset_name
-
 from fewclip.config.compose import ConfigError, find_yaml, load_yaml
+from fewclip.data.base import DataConfig, dataset_name
 
 DATA_KEYS = tuple(f.name for f in fields(DataConfig))
 
@@ -34,7 +34,7 @@ class SweepDataset:
     """One dataset of a sweep: its name and the arguments its runs get."""
 
     name: str
-    args: Tuple[str, ...]
+    args: tuple[str, ...]
 
 
 def _plain(value: Any) -> Any:
@@ -84,15 +84,15 @@ def _data_config(args: Sequence[str], where: str) -> DataConfig:
         raise ConfigError(f"{where}: {e}") from None
 
 
-def sweep_datasets(entries: Sequence[Any], sweep_args: Sequence[str] = ()) -> List[SweepDataset]:
+def sweep_datasets(entries: Sequence[Any], sweep_args: Sequence[str] = ()) -> list[SweepDataset]:
     """The sweep's datasets (module docstring), in order; ``sweep_args``: the sweep's ``args``, which come
     before an entry's own keys."""
-    out: List[SweepDataset] = []
+    out: list[SweepDataset] = []
     for i, entry in enumerate(entries):
         where = f"sweep.datasets[{i}]"
         entry = _plain(entry)
         if isinstance(entry, str) and not entry.endswith((".yaml", ".yml")):
-            args: Tuple[str, ...] = (f"data={entry}",)
+            args: tuple[str, ...] = (f"data={entry}",)
         else:
             args = tuple(f"data.{k}={json.dumps(v)}" for k, v in _mapping(entry, where).items())
         data = _data_config([*sweep_args, *args], where)

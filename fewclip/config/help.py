@@ -4,7 +4,7 @@ the code. Light on purpose (no torch): ``fewclip report --help`` uses it without
 from __future__ import annotations
 
 from dataclasses import fields, is_dataclass
-from typing import Any, List
+from typing import Any
 
 import yaml
 
@@ -26,9 +26,9 @@ def field_help(f) -> str:
     return str(f.metadata.get("help", "")) if f.metadata else ""
 
 
-def describe_config(obj: Any, indent: str = "") -> List[str]:
+def describe_config(obj: Any, indent: str = "") -> list[str]:
     """A config dataclass as ``key: default  # help`` lines, sections indented (``--help``, ``fewclip adapters``)."""
-    lines: List[str] = []
+    lines: list[str] = []
     for f in fields(obj):
         value = getattr(obj, f.name)
         text = field_help(f)

@@ -23,8 +23,9 @@ This module imports no torch: ``fewclip adapters NAME`` and the config loader re
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Optional
 
 from fewclip.utils.errors import InputError
 from fewclip.utils.registry import Registry
@@ -62,8 +63,8 @@ class Preset:
 
     name: str
     summary: str
-    settings: Tuple[Setting, ...] = ()
-    not_expressed: Tuple[str, ...] = ()
+    settings: tuple[Setting, ...] = ()
+    not_expressed: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name or self.name != self.name.lower() or not self.name.replace("_", "").isalnum():
@@ -72,7 +73,7 @@ class Preset:
         if len(set(keys)) != len(keys):
             raise ValueError(f"preset {self.name!r} sets a field twice: {keys}")
 
-    def values(self) -> Dict[str, Any]:
+    def values(self) -> dict[str, Any]:
         """``{key: value}`` of its settings."""
         return {s.key: s.value for s in self.settings}
 
@@ -82,7 +83,7 @@ class MethodPresets:
     """The presets of one method (``adapter``) and, where its authors choose on the test set, what they do."""
 
     adapter: str
-    presets: Tuple[Preset, ...]
+    presets: tuple[Preset, ...]
     on_test: str = ""
 
 
@@ -109,7 +110,7 @@ def _table(adapter: str) -> Optional[MethodPresets]:
     return PRESETS.get(adapter) if adapter in PRESETS else None
 
 
-def presets_of(adapter: str) -> Dict[str, Preset]:
+def presets_of(adapter: str) -> dict[str, Preset]:
     """``{name: Preset}`` of a method, fewclip's own default first."""
     table = _table(adapter)
     return {FEWCLIP: DEFAULT, **({p.name: p for p in table.presets} if table else {})}
@@ -138,16 +139,16 @@ def preset_name_of(args: Sequence[str], yamls: Sequence[Mapping[str, Any]] = ())
     return name
 
 
-def preset_overrides(preset: Preset) -> Dict[str, Dict[str, Any]]:
+def preset_overrides(preset: Preset) -> dict[str, dict[str, Any]]:
     """The preset as a nested mapping to merge under the user's arguments: ``{"adapter": {...}, "train": {...}}``."""
-    out: Dict[str, Dict[str, Any]] = {}
+    out: dict[str, dict[str, Any]] = {}
     for s in preset.settings:
         section, _, leaf = s.key.partition(".")
         out.setdefault(section, {})[leaf] = s.value
     return out
 
 
-def in_effect(preset: Preset, current: Mapping[str, Any]) -> Dict[str, Any]:
+def in_effect(preset: Preset, current: Mapping[str, Any]) -> dict[str, Any]:
     """The preset's values that the final config still holds (``current``: key -> value); the others were
     overridden by the user's explicit arguments."""
     return {k: v for k, v in preset.values().items() if current.get(k) == v}
@@ -169,7 +170,7 @@ def method_label(adapter: str, preset: str) -> str:
     return adapter if preset == FEWCLIP else f"{adapter}[{preset}]"
 
 
-def parse_label(label: str) -> Tuple[str, str]:
+def parse_label(label: str) -> tuple[str, str]:
     """``"tip_adapter[authors]"`` -> ``("tip_adapter", "authors")``; a plain name -> ``(name, "fewclip")``."""
     if label.endswith("]") and "[" in label:
         name, _, preset = label[:-1].partition("[")
@@ -181,7 +182,7 @@ def _fmt(v: Any) -> str:
     return "null" if v is None else str(v)
 
 
-def describe_presets(adapter: str, defaults: Mapping[str, Any]) -> List[str]:
+def describe_presets(adapter: str, defaults: Mapping[str, Any]) -> list[str]:
     """What ``fewclip adapters NAME`` prints: each preset with the fields it changes (``defaults``: key ->
     fewclip's default value), their sources and reasons, what it cannot express, and what is refused."""
     lines = []
@@ -197,7 +198,7 @@ def describe_presets(adapter: str, defaults: Mapping[str, Any]) -> List[str]:
     return lines
 
 
-def markdown_rows(adapters: Sequence[str], defaults: Mapping[str, Mapping[str, Any]]) -> List[str]:
+def markdown_rows(adapters: Sequence[str], defaults: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """The manual's table (docs/concepts/presets.md): one row per preset setting and per difference a preset cannot express."""
     rows = ["| method | preset | field | fewclip | preset's | source | why |", "|---|---|---|---|---|---|---|"]
     for a in adapters:

@@ -4,22 +4,22 @@ printed from these fields without loading any model code."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Optional
 
 FIGURE_FORMATS = ("png", "pdf", "svg")
 
 
 @dataclass
 class ReportOptions:
-    methods: List[str] = field(default_factory=list, metadata={
+    methods: list[str] = field(default_factory=list, metadata={
         "help": "only these methods, by their run names (empty: every method); zeroshot is kept only if named"})
-    rename: Dict[str, str] = field(default_factory=dict, metadata={
+    rename: dict[str, str] = field(default_factory=dict, metadata={
         "help": "method -> the name the tables and figures show, e.g. {coop: CoOp, tip_adapter_f: Tip-Adapter-F}"})
-    backbones: List[str] = field(default_factory=list, metadata={"help": "only these backbones (empty: all)"})
-    datasets: List[str] = field(default_factory=list, metadata={"help": "only these datasets (empty: all)"})
-    shots: List[int] = field(default_factory=list, metadata={
+    backbones: list[str] = field(default_factory=list, metadata={"help": "only these backbones (empty: all)"})
+    datasets: list[str] = field(default_factory=list, metadata={"help": "only these datasets (empty: all)"})
+    shots: list[int] = field(default_factory=list, metadata={
         "help": "only these shots (empty: all); zero-shot runs (0 shots) stay as the baseline"})
-    format: List[str] = field(default_factory=lambda: ["png"], metadata={
+    format: list[str] = field(default_factory=lambda: ["png"], metadata={
         "help": "figure formats, any of png (200 dpi), pdf, svg"})
     latex: bool = field(default=True, metadata={
         "help": "also write report.tex: the tables in the layout of the CoOp / CoCoOp papers (booktabs)"})

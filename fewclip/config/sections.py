@@ -11,11 +11,10 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
-
 
 # ---------------------------------------------------------------------------
 # adapter
@@ -99,7 +98,7 @@ class LocalAttentionConfig:
         return self.text.window is not None or self.vision.window is not None
 
 
-def parse_layers(spec: str, n: Optional[int]) -> List[int]:
+def parse_layers(spec: str, n: Optional[int]) -> list[int]:
     """Layer indices from "all", "first:N", "last:N" or "i,j,..." (negative = from the end).
     With ``n=None`` only the syntax is checked."""
     s = str(spec).strip().replace(" ", "")
@@ -181,7 +180,7 @@ class BackboneConfig:
             raise ValueError(f"backbone.device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
 
 
-def backbone_config_from_dict(d: Dict[str, Any]) -> BackboneConfig:
+def backbone_config_from_dict(d: dict[str, Any]) -> BackboneConfig:
     """A ``BackboneConfig`` from a plain dict (nested sections included), checked like a config file."""
 
     try:
@@ -346,9 +345,9 @@ class SlurmConfig(LauncherConfig):
     qos: Optional[str] = field(default=None, metadata={"help": "sbatch --qos"})
     constraint: Optional[str] = field(default=None, metadata={"help": "sbatch --constraint"})
     job_name: str = field(default="fewclip", metadata={"help": "sbatch --job-name"})
-    setup: List[str] = field(default_factory=list, metadata={"help": (
+    setup: list[str] = field(default_factory=list, metadata={"help": (
         "shell lines run before the task (module load ..., source venv/bin/activate)")})
-    sbatch: Dict[str, str] = field(default_factory=dict, metadata={"help": (
+    sbatch: dict[str, str] = field(default_factory=dict, metadata={"help": (
         "any other sbatch option as name: value (e.g. {exclude: node12})")})
     folder: Optional[str] = field(default=None, metadata={"help": (
         "submitit's folder (job scripts, pickles, task logs); null: OUT/.submitit")})

@@ -3,46 +3,47 @@ options, torch-free (``fewclip sweep --help`` composes it without loading a meth
 ``fewclip.runs.sweep`` plans and runs it."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Type
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
 from fewclip.config.compose import compose, to_object
 from fewclip.config.dataset_entries import sweep_datasets
-from fewclip.utils.explog import LogConfig
-from fewclip.data.protocols import PROTOCOLS, TRANSFER_PROTOCOLS
 from fewclip.config.sections import LauncherConfig, LocalConfig
+from fewclip.data.protocols import PROTOCOLS, TRANSFER_PROTOCOLS
+from fewclip.utils.explog import LogConfig
 
 
 @dataclass
 class SweepSpec:
-    backbones: List[str] = field(default_factory=lambda: ["toy-clip"], metadata={"help": (
+    backbones: list[str] = field(default_factory=lambda: ["toy-clip"], metadata={"help": (
         "Backbones to run every method with (names, card paths or open_clip architectures).")})
-    datasets: List[Any] = field(default_factory=lambda: ["toy-shapes"], metadata={"help": (
+    datasets: list[Any] = field(default_factory=lambda: ["toy-shapes"], metadata={"help": (
         "Each a registered dataset's name, a mapping of data keys ({name: folder, root: /data/pets}, named \"pets\" "
         "after its folder; {name: cars, reader: folder, root: PATH, templates: single}) or a YAML piece with a "
         "`data:` section (fewclip.config.dataset_entries). Runs, tables and folders know each by its dataset's name.")})
-    methods: List[str] = field(default_factory=lambda: ["zeroshot", "coop"], metadata={"help": (
+    methods: list[str] = field(default_factory=lambda: ["zeroshot", "coop"], metadata={"help": (
         'A registered adapter name ("zeroshot", "coop", ...), one with a preset ("tip_adapter[authors]": '
         'adapter=tip_adapter preset=authors; folder tip_adapter-authors) or a label defined in `variants`.')})
-    shots: List[int] = field(default_factory=lambda: [1, 2, 4, 8, 16], metadata={"help": (
+    shots: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16], metadata={"help": (
         "Shots per class; methods that train on nothing run once at 0 shots.")})
-    seeds: List[int] = field(default_factory=lambda: [1, 2, 3], metadata={"help": (
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3], metadata={"help": (
         "Seeds: each (dataset, shots, seed) is one few-shot split shared by every method.")})
-    args: List[str] = field(default_factory=list, metadata={"help": (
+    args: list[str] = field(default_factory=list, metadata={"help": (
         'key=value overrides applied to every run (e.g. train.epochs=10, data.max_test=400).')})
-    variants: Dict[str, List[str]] = field(default_factory=dict, metadata={"help": (
+    variants: dict[str, list[str]] = field(default_factory=dict, metadata={"help": (
         'Named method variants: label -> key=value list including adapter=NAME, e.g. coop_n4: [adapter=coop, '
         'adapter.n_ctx=4] zeroshot_single: [adapter=zeroshot, data.templates=single] An adapter that trains on '
         'nothing (zeroshot) runs once per backbone and dataset, at 0 shots.')})
-    backbone_args: Dict[str, List[str]] = field(default_factory=dict, metadata={"help": (
+    backbone_args: dict[str, list[str]] = field(default_factory=dict, metadata={"help": (
         "key=value overrides per backbone (e.g. for an open_clip backbone's pretrained tag).")})
     protocol: str = field(default="fewshot", metadata={"help": (
         'The generalisation protocol of every run (fewclip.data.protocols): fewshot, base2new (`datasets` are split '
         'into base and new classes), cross_dataset or domain_shift (`datasets` are the sources). Runs of a '
         'protocol other than fewshot go under OUT/<protocol>/, so one out directory can hold several protocols.')})
-    targets: Dict[str, List[str]] = field(default_factory=dict, metadata={"help": (
+    targets: dict[str, list[str]] = field(default_factory=dict, metadata={"help": (
         'cross_dataset / domain_shift: the targets of each source ({toy-shapes: [toy-sketch, toy-shapes-faded]});'
         " a source left out gets the protocol's default targets (fewclip.data.protocols.default_targets).")})
 
@@ -85,7 +86,7 @@ class SweepConfig:
             raise ValueError(f"lock_timeout_s must be a number of seconds > 0 or null, got {self.lock_timeout_s}")
 
 
-def compose_sweep_config(args: Sequence[str], launcher_cls: Type[LauncherConfig]) -> SweepConfig:
+def compose_sweep_config(args: Sequence[str], launcher_cls: type[LauncherConfig]) -> SweepConfig:
     """A sweep config from the arguments, its ``launcher`` section of ``launcher_cls``. ``sweep.variants`` and
     ``sweep.backbone_args`` are maps whose keys the user chooses (method labels, backbone names), so they accept
     new keys; everything else stays in struct mode."""

@@ -14,16 +14,18 @@ The registry is a plain dict filled by ``register_dataset`` next to each reader;
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Optional
 
-from PIL import Image
 import numpy as np
+from PIL import Image
+
+from fewclip.data.image_check import drop_bad_images
+from fewclip.data.name_files import read_classnames, read_templates
 from fewclip.utils.errors import InputError
 from fewclip.utils.registry import Registry
-from fewclip.data.name_files import read_classnames, read_templates
-from fewclip.data.image_check import drop_bad_images
 
 SPLITS = ("train", "val", "test")
 
@@ -61,7 +63,7 @@ class DataConfig:
     templates: str = field(default="single", metadata={"help": (
         '"single": the dataset\'s first prompt template, the one hand-made template per dataset of CoOp\'s protocol'
         ' (the default of every command and every shipped sweep); "ensemble": all of them, averaged per class.')})
-    prompts: List[str] = field(default_factory=list, metadata={"help": (
+    prompts: list[str] = field(default_factory=list, metadata={"help": (
         'Your own prompt templates ("{}" stands for the class name), replacing the dataset\'s; `templates` then '
         'picks all of them or the first.')})
     classnames: Optional[str] = field(default=None, metadata={"help": (
@@ -124,7 +126,7 @@ def folder_dataset_name(root: Optional[str]) -> str:
     return safe if safe and safe.lower() not in RESERVED_NAMES else "folder"
 
 
-def check_classnames(classnames: Sequence[str], what: str = "class names", warn: bool = False) -> List[str]:
+def check_classnames(classnames: Sequence[str], what: str = "class names", warn: bool = False) -> list[str]:
     """The class names as a list, refusing what cannot be a classification task: a bare string (which
     would be split into characters), fewer than two classes (a one-class task scores 100%) and empty
     names. A name may repeat (CLIP's ImageNet names hold 'missile' and 'sunglasses' twice): a class is its
@@ -190,11 +192,11 @@ class Dataset:
     split_renames = {}  # Dict[str, str]; not a dataclass field (a class default, never mutated: readers assign)
 
     name: str
-    classnames: List[str]
-    templates: List[str]
-    splits: Dict[str, List[Item]] = field(default_factory=dict)
+    classnames: list[str]
+    templates: list[str]
+    splits: dict[str, list[Item]] = field(default_factory=dict)
     root: Optional[Path] = None
-    class_ids: List[str] = field(default_factory=list, metadata={"help": (
+    class_ids: list[str] = field(default_factory=list, metadata={"help": (
         "Stable identifiers of the classes, in label order, where the dataset has them (ImageNet's wnids): what "
         'matches classes across datasets (an ImageNet-A class to its ImageNet label). Empty: the class names '
         'serve.')})
@@ -205,7 +207,7 @@ class Dataset:
             raise DatasetError(f"dataset {self.name!r}: {len(self.class_ids)} class ids for "
                                f"{len(self.classnames)} classes")
 
-    def items(self, split: str) -> List[Item]:
+    def items(self, split: str) -> list[Item]:
         if split not in self.splits:
             hint = ""
             if list(self.splits) == ["test"]:
@@ -230,7 +232,7 @@ class Dataset:
         except Exception as e:  # PIL raises several types for damaged files
             raise DatasetError(f"cannot read image {path} (dataset {self.name!r}): {e}") from None
 
-    def prompts(self, mode: str = "single") -> List[str]:
+    def prompts(self, mode: str = "single") -> list[str]:
         """The templates in use: all of them, or only the first for ``mode='single'``."""
         return list(self.templates) if mode == "ensemble" else list(self.templates[:1])
 

@@ -13,7 +13,8 @@ where a name repeats), so no class is dropped or merged.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 log = logging.getLogger(__name__)
 
@@ -22,10 +23,10 @@ def _norm(name: str) -> str:
     return " ".join(str(name).lower().split())
 
 
-def class_keys(classnames: Sequence[str]) -> List[str]:
+def class_keys(classnames: Sequence[str]) -> list[str]:
     """One distinct key per class, in label order: the class name, or ``"name [label]"`` for every class whose
     name (up to case and spacing) another class also has (``missile [657]``, ``missile [744]``)."""
-    counts: Dict[str, int] = {}
+    counts: dict[str, int] = {}
     for n in classnames:
         counts[_norm(n)] = counts.get(_norm(n), 0) + 1
     keys = [f"{n} [{y}]" if counts[_norm(n)] > 1 else n for y, n in enumerate(classnames)]
@@ -46,21 +47,21 @@ def _token_key(tokenizer, texts: Sequence[str]):
 
 
 def identical_prompt_groups(classnames: Sequence[str], templates: Sequence[str] = ("{}",),
-                            tokenizer=None) -> List[List[int]]:
+                            tokenizer=None) -> list[list[int]]:
     """The groups (each two or more labels, ascending) of classes whose prompts are identical: their names give
     the same tokens with ``tokenizer`` (a callable on a list of strings, as ``Backbone.tokenize``), or, without
     one, every template filled with them gives the same text up to case and spacing (what CLIP's tokenizer
     ignores). Groups are ordered by their first label."""
     names = list(classnames)
     templates = list(templates) or ["{}"]
-    keys: List[Any]
+    keys: list[Any]
     if tokenizer is not None:
         # The bare names: every method puts the same tokens (a template's words, learned context) around each
         # name, so names with the same tokens give the same prompts whatever the template or method.
         keys = _token_key(tokenizer, names)
     else:
         keys = [tuple(_norm(t.format(n)) for t in templates) for n in names]
-    groups: Dict[Any, List[int]] = {}
+    groups: dict[Any, list[int]] = {}
     for y, k in enumerate(keys):
         groups.setdefault(k, []).append(y)
     return sorted((g for g in groups.values() if len(g) > 1), key=lambda g: g[0])
@@ -76,7 +77,7 @@ def describe_groups(classnames: Sequence[str], groups: Sequence[Sequence[int]], 
     return ", ".join(parts) + more
 
 
-def identical_prompts_record(classnames: Sequence[str], groups: Sequence[Sequence[int]]) -> List[Dict[str, Any]]:
+def identical_prompts_record(classnames: Sequence[str], groups: Sequence[Sequence[int]]) -> list[dict[str, Any]]:
     """What metrics.json keeps of the groups: ``[{"labels": [657, 744], "classnames": ["missile", "missile"]}]``."""
     return [{"labels": list(g), "classnames": [classnames[y] for y in g]} for g in groups]
 
@@ -90,12 +91,12 @@ def backbone_tokenizer(backbone) -> Optional[Any]:
         return None
 
 
-def plan_identical_prompts(backbone, plan, templates: str = "single") -> List[Dict[str, Any]]:
+def plan_identical_prompts(backbone, plan, templates: str = "single") -> list[dict[str, Any]]:
     """The identical-prompt groups of every class list a protocol plan builds classifiers from (its training
     dataset and each test set), as metrics.json records them: ``[{"dataset", "labels", "classnames"}]``, labels
     being that dataset's own."""
     tokenizer = backbone_tokenizer(backbone)
-    out: List[Dict[str, Any]] = []
+    out: list[dict[str, Any]] = []
     seen = set()
     for ds in [plan.train] + [e.dataset for e in plan.evals]:
         if ds.name in seen:
@@ -106,11 +107,11 @@ def plan_identical_prompts(backbone, plan, templates: str = "single") -> List[Di
     return out
 
 
-def warn_records(records: Sequence[Dict[str, Any]], *, backbone: str = "", where: str = "") -> None:
+def warn_records(records: Sequence[dict[str, Any]], *, backbone: str = "", where: str = "") -> None:
     """One warning line for a plan's records (``plan_identical_prompts``), naming each dataset's groups."""
     if not records:
         return
-    by_ds: Dict[str, List[Dict[str, Any]]] = {}
+    by_ds: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         by_ds.setdefault(r["dataset"], []).append(r)
     parts = []

@@ -18,7 +18,7 @@ import io
 import pickle
 import re
 from pathlib import Path
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional
 
 from fewclip.data.base import DatasetError
 
@@ -67,14 +67,14 @@ class _Unpickler(pickle.Unpickler):
         raise Refused("it holds a persistent reference")
 
 
-def _records(value: Any, path: Path, key: str) -> List[Datum]:
+def _records(value: Any, path: Path, key: str) -> list[Datum]:
     if not isinstance(value, list) or not all(isinstance(d, Datum) and hasattr(d, "impath") for d in value):
         raise CoopPickleError(f"{path}: {key!r} is not a list of Dassl Datum records; expected CoOp's "
                               f"split_fewshot/shot_K-seed_S.pkl, a dict of 'train' (and 'val') Datum lists")
     return value
 
 
-def load_coop_pickle(path: Path, data: bytes) -> Tuple[List[Datum], Optional[List[Datum]]]:
+def load_coop_pickle(path: Path, data: bytes) -> tuple[list[Datum], Optional[list[Datum]]]:
     """(train, val) records of CoOp's pickle ``path`` whose bytes are ``data`` (val None: the file has none,
     as ImageNet's). Anything but Datum records, lists, dicts and plain values is refused unrun."""
     try:
@@ -92,7 +92,7 @@ def load_coop_pickle(path: Path, data: bytes) -> Tuple[List[Datum], Optional[Lis
     return _records(obj["train"], path, "train"), (_records(obj["val"], path, "val") if "val" in obj else None)
 
 
-def stated(path: Path) -> Tuple[Optional[int], Optional[int]]:
+def stated(path: Path) -> tuple[Optional[int], Optional[int]]:
     """(shots, seed) from CoOp's file name ``shot_16-seed_1.pkl``, or (None, None)."""
     m = re.fullmatch(r"shot_(\d+)-seed_(\d+)\.pkl", path.name)
     return (int(m.group(1)), int(m.group(2))) if m else (None, None)

@@ -36,41 +36,49 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Callable, Sequence
+from typing import Optional
 
 from fewclip.data.base import Dataset, DatasetError, Item
 from fewclip.data.protocols import ClassSubset
-from fewclip.data.splits import (VAL_SHOTS_MAX, FewShotSplit, check_enough, check_val_apart, derive_seed, make_few_shot_split,
-                     sample_few_shot)
+from fewclip.data.splits import (
+    VAL_SHOTS_MAX,
+    FewShotSplit,
+    check_enough,
+    check_val_apart,
+    derive_seed,
+    make_few_shot_split,
+    sample_few_shot,
+)
 
 log = logging.getLogger(__name__)
 
 SAMPLERS = ("fewclip", "coop")
 
 
-def dassl_draw(labels: Sequence[int], k: int, rng: random.Random) -> List[int]:
+def dassl_draw(labels: Sequence[int], k: int, rng: random.Random) -> list[int]:
     """Indices into ``labels`` as Dassl's ``generate_fewshot_dataset(..., num_shots=k)`` picks them, in its order:
     classes in order of first occurrence, ``rng.sample`` of ``k`` where a class has at least ``k`` (exactly ``k``
     too), all of a class with fewer, no draw for it."""
-    groups: Dict[int, List[int]] = {}
+    groups: dict[int, list[int]] = {}
     for i, y in enumerate(labels):
         groups.setdefault(int(y), []).append(i)
-    out: List[int] = []
+    out: list[int] = []
     for idx in groups.values():
         out += rng.sample(idx, k) if len(idx) >= k else idx
     return out
 
 
-def _ordered(dataset: Dataset, items: Sequence[Item]) -> List[Item]:
+def _ordered(dataset: Dataset, items: Sequence[Item]) -> list[Item]:
     """``items`` by class, then training before held-out images, then the dataset's order."""
-    where: Dict[str, Tuple[int, int]] = {}
+    where: dict[str, tuple[int, int]] = {}
     for rank, split in enumerate(("train", "val")):
         for i, it in enumerate(dataset.splits.get(split, [])):
             where.setdefault(it.id, (rank, i))
     return sorted(items, key=lambda it: (it.label, *where[it.id]))
 
 
-def _drop_training(val: List[Item], train: Sequence[Item], dataset: Dataset) -> List[Item]:
+def _drop_training(val: list[Item], train: Sequence[Item], dataset: Dataset) -> list[Item]:
     taken = {it.id for it in train}
     kept = [it for it in val if it.id not in taken]
     if len(kept) < len(val):  # CoOp would validate on them; a split file that lists an image in both
@@ -89,12 +97,12 @@ def coop_split(dataset: Dataset, shots: int, seed: int, allow_fewer: bool = Fals
         whole = coop_split(dataset.parent, shots, seed, allow_fewer=True)
         new = {c: i for i, c in enumerate(dataset.classes)}
 
-        def cut(items: Sequence[Item]) -> List[Item]:
+        def cut(items: Sequence[Item]) -> list[Item]:
             return [Item(it.id, new[it.label]) for it in items if it.label in new]
 
         train, val = cut(whole.train), cut(whole.val)
     else:
-        pool_of: Optional[Callable[[], List[Item]]] = getattr(dataset, "coop_pool", None)
+        pool_of: Optional[Callable[[], list[Item]]] = getattr(dataset, "coop_pool", None)
         rng = random.Random(seed)  # Dassl's set_random_seed: random.seed(seed)
         if pool_of is None:
             pool, held = dataset.items("train"), dataset.splits.get("val", [])
@@ -110,7 +118,7 @@ def coop_split(dataset: Dataset, shots: int, seed: int, allow_fewer: bool = Fals
                                      allow_fewer=True) if held else []
             val = [held[i] for i in picked]
         train, val = _ordered(dataset, train), _ordered(dataset, val)
-    groups: Dict[int, List[int]] = {}
+    groups: dict[int, list[int]] = {}
     for i, it in enumerate(train):
         groups.setdefault(it.label, []).append(i)
     check_enough(groups, range(len(dataset.classnames)), shots, dataset.classnames, allow_fewer)  # short: all taken

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Optional
 
 from PIL import Image
 
@@ -28,8 +28,8 @@ class BadImage:
     reason: str
 
 
-def _all_items(dataset) -> List:
-    seen: Dict[str, object] = {}
+def _all_items(dataset) -> list:
+    seen: dict[str, object] = {}
     for items in dataset.splits.values():
         for it in items:
             seen.setdefault(it.id, it)
@@ -51,7 +51,7 @@ def _read(dataset, item) -> None:
         im.load()
 
 
-def find_bad_images(dataset, desc: Optional[str] = None) -> List[BadImage]:
+def find_bad_images(dataset, desc: Optional[str] = None) -> list[BadImage]:
     """Every item of every split whose file cannot be read as an image, each once."""
     if getattr(dataset, "root", None) is None:  # images made by code (toy datasets): nothing to read
         return []
@@ -68,13 +68,13 @@ def find_bad_images(dataset, desc: Optional[str] = None) -> List[BadImage]:
     return bad
 
 
-def describe_bad(dataset, bad: List[BadImage], checked: int) -> str:
+def describe_bad(dataset, bad: list[BadImage], checked: int) -> str:
     lines = [f"{dataset.name}: {checked} images checked, {len(bad)} cannot be read:"]
     lines += [f"  {b.path}: {b.reason}" for b in bad]
     return "\n".join(lines)
 
 
-def drop_bad_images(dataset) -> List[str]:
+def drop_bad_images(dataset) -> list[str]:
     """Leave the bad files out of every split (``data.skip_bad_images=true``); their ids are kept on the dataset
     as ``skipped_images`` for the run's metrics.json."""
     bad = find_bad_images(dataset)

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional
 
 from fewclip.data.base import DatasetError
 from fewclip.utils import env
@@ -50,7 +51,7 @@ def file_hash(path: str | os.PathLike) -> str:
     return h.hexdigest()[:HASH_CHARS]
 
 
-def file_record(path: str | os.PathLike) -> List:
+def file_record(path: str | os.PathLike) -> list:
     """``[size, mtime_ns, sha256]`` of one file (the hash read after the stat: a file that changes between
     the two is recorded with its older time, which the next check sees as a change)."""
     st = os.stat(path)
@@ -62,7 +63,7 @@ class Fingerprint:
     """What a request's images are a function of: a generator's name, or one ``file_record`` per image."""
 
     generator: Optional[str] = None
-    files: Optional[Tuple[Tuple, ...]] = None
+    files: Optional[tuple[tuple, ...]] = None
 
     def to_json(self):
         return {"generator": self.generator} if self.generator is not None else {"files": [list(f) for f in self.files]}
@@ -80,7 +81,7 @@ def fingerprint(dataset, items: Sequence) -> Optional[Fingerprint]:
     return Fingerprint(files=tuple(tuple(file_record(p)) for p in paths))
 
 
-def changed(dataset, items: Sequence, stored, verify: str = "stat") -> Tuple[List[str], bool]:
+def changed(dataset, items: Sequence, stored, verify: str = "stat") -> tuple[list[str], bool]:
     """The ids of ``items`` whose images differ from the ``stored`` fingerprint (its JSON form), and whether
     any file record is out of date although its content is the same (a copy with new times; the caller may
     store the fresh records). A generator mismatch lists every id."""

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Optional
 
 import yaml
 
@@ -53,7 +54,7 @@ def _structured(path: str | Path, key: str) -> Optional[Any]:
         raise NameFileError(f"{key}={path}: not valid {suffix[1:].upper()} ({str(e).splitlines()[0]})") from None
 
 
-def _lines(path: str | Path, key: str) -> List[str]:
+def _lines(path: str | Path, key: str) -> list[str]:
     return [line.strip() for line in _read_text(path, key).splitlines()
             if line.strip() and not line.lstrip().startswith("#")]
 
@@ -66,7 +67,7 @@ def _as_class(key: str, classnames: Sequence[str]) -> str:
     return cleaned if cleaned in classnames else key
 
 
-def _benchmark_entry(data: Dict[str, Any], dataset: str, known: Sequence[str]) -> Optional[List[Any]]:
+def _benchmark_entry(data: dict[str, Any], dataset: str, known: Sequence[str]) -> Optional[list[Any]]:
     """CLIP_benchmark's layout ({dataset: [names]}): the dataset's own list, when the mapping is one."""
     if all(isinstance(v, list) for v in data.values()) and not ({_as_class(str(k), known) for k in data} & set(known)):
         if dataset in data:
@@ -77,7 +78,7 @@ def _benchmark_entry(data: Dict[str, Any], dataset: str, known: Sequence[str]) -
 
 
 def read_classnames(path: str | Path, classnames: Sequence[str], dataset: str = "",
-                    key: str = "data.classnames") -> List[str]:
+                    key: str = "data.classnames") -> list[str]:
     """The class names ``path`` gives the dataset whose own names are ``classnames`` (label order)."""
     data = _structured(path, key)
     if data is None and Path(path).suffix.lower() == ".csv":
@@ -115,7 +116,7 @@ def read_classnames(path: str | Path, classnames: Sequence[str], dataset: str = 
                         f"got {type(data).__name__}")
 
 
-def read_templates(path: str | Path, dataset: str = "", key: str = "data.prompts_file") -> List[str]:
+def read_templates(path: str | Path, dataset: str = "", key: str = "data.prompts_file") -> list[str]:
     """The prompt templates in ``path``, each with ``{}`` for the class name."""
     data = _structured(path, key)
     if data is None:

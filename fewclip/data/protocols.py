@@ -45,15 +45,16 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Optional
 
 from PIL import Image
 
-from fewclip.utils.io import atomic_write_json
 from fewclip.data.base import Dataset, DatasetError, Item
 from fewclip.data.splits import SPLIT_FORMAT, FewShotSplit, subsample_test
+from fewclip.utils.io import atomic_write_json
 
 PROTOCOLS = ("fewshot", "base2new", "cross_dataset", "domain_shift")
 # The protocols that test on other datasets (targets) than the one trained on.
@@ -67,12 +68,12 @@ BASE2NEW_RULE = (
 
 # Default targets of a source, as in the literature (CoCoOp's Tables 2 and 3) and in the toy world.
 # A sweep may name its own targets; these are what `protocol: cross_dataset` / `domain_shift` use by default.
-CROSS_DATASET_TARGETS: Dict[str, Tuple[str, ...]] = {
+CROSS_DATASET_TARGETS: dict[str, tuple[str, ...]] = {
     "imagenet": ("caltech101", "oxford_pets", "stanford_cars", "oxford_flowers", "food101", "fgvc_aircraft",
                  "sun397", "dtd", "eurosat", "ucf101"),
     "toy-objects": ("toy-shapes", "toy-sketch", "toy-patterns", "toy-positions", "toy-colours"),
 }
-DOMAIN_SHIFT_TARGETS: Dict[str, Tuple[str, ...]] = {
+DOMAIN_SHIFT_TARGETS: dict[str, tuple[str, ...]] = {
     "imagenet": ("imagenet_v2", "imagenet_sketch", "imagenet_a", "imagenet_r"),
     # toy-sketch: a style rare in pretraining; toy-shapes-outline: 4 of the 8 classes (as A and R hold 200 of
     # ImageNet's 1000); toy-shapes-faded: a rendering shift never seen in pretraining.
@@ -85,7 +86,7 @@ DOMAIN_SHIFT_TARGETS: Dict[str, Tuple[str, ...]] = {
 # ---------------------------------------------------------------------------
 
 
-def base_new_classes(n_classes: int) -> Tuple[List[int], List[int]]:
+def base_new_classes(n_classes: int) -> tuple[list[int], list[int]]:
     """CoCoOp's split of labels ``0..n-1``: (base, new) = (first ceil(n/2), the rest)."""
     if isinstance(n_classes, bool) or not isinstance(n_classes, int) or n_classes < 2:
         raise DatasetError(f"base-to-novel needs at least 2 classes, got {n_classes!r}")
@@ -108,7 +109,7 @@ def restrict_logits(logits, class_map: Sequence[int]):
     return logits[..., list(class_map)]
 
 
-def class_map(source: Dataset, target: Dataset) -> List[int]:
+def class_map(source: Dataset, target: Dataset) -> list[int]:
     """For each class of ``target``, the label of the same class in ``source``.
 
     Classes are matched by ``class_ids`` (ImageNet wnids) where both datasets
@@ -123,7 +124,7 @@ def class_map(source: Dataset, target: Dataset) -> List[int]:
         s_keys, t_keys, what = source.classnames, target.classnames, "class name"
     if list(s_keys) == list(t_keys):
         return list(range(len(t_keys)))
-    index: Dict[str, int] = {}
+    index: dict[str, int] = {}
     ambiguous = set()
     for y, key in enumerate(s_keys):
         if key in index:
@@ -221,10 +222,10 @@ class EvalSet:
     name: str
     dataset: Dataset
     source_dataset: str
-    classes: List[int]
-    class_map: Optional[List[int]]
+    classes: list[int]
+    class_map: Optional[list[int]]
 
-    def test_items(self, max_test: Optional[int] = None, seed: int = 1) -> List[Item]:
+    def test_items(self, max_test: Optional[int] = None, seed: int = 1) -> list[Item]:
         """The test images, the seeded class-stratified subset of ``max_test`` where set (as ``data.max_test``)."""
         items = self.dataset.items("test")
         if max_test is not None and max_test < len(items):
@@ -236,9 +237,9 @@ class EvalSet:
 class ProtocolPlan:
     protocol: str
     train: Dataset  # the few-shot split is drawn from it; the adapter is built on its class names
-    train_classes: List[int]  # its classes as labels of `source`
+    train_classes: list[int]  # its classes as labels of `source`
     source: Dataset
-    evals: List[EvalSet]
+    evals: list[EvalSet]
 
     def eval_set(self, name: str) -> EvalSet:
         for e in self.evals:
@@ -247,7 +248,7 @@ class ProtocolPlan:
         raise KeyError(f"protocol {self.protocol!r} has no test set {name!r} (has: {[e.name for e in self.evals]})")
 
 
-def _whole(dataset: Dataset, name: str, class_map_: Optional[List[int]]) -> EvalSet:
+def _whole(dataset: Dataset, name: str, class_map_: Optional[list[int]]) -> EvalSet:
     return EvalSet(name, dataset, dataset.name, list(range(len(dataset.classnames))), class_map_)
 
 
@@ -312,7 +313,7 @@ def make_plan(protocol: str, source: Dataset, targets: Sequence[Dataset] = ()) -
     return (plan_cross_dataset if protocol == "cross_dataset" else plan_domain_shift)(source, targets)
 
 
-def default_targets(protocol: str, source: str) -> Tuple[str, ...]:
+def default_targets(protocol: str, source: str) -> tuple[str, ...]:
     """The literature's (or the toy world's) targets of ``source`` for a transfer protocol."""
     table = {"cross_dataset": CROSS_DATASET_TARGETS, "domain_shift": DOMAIN_SHIFT_TARGETS}.get(protocol)
     if table is None:
@@ -329,7 +330,7 @@ def default_targets(protocol: str, source: str) -> Tuple[str, ...]:
 
 
 def protocol_json(plan: ProtocolPlan, split: Optional[FewShotSplit], *, max_test: Optional[int] = None,
-                  test_seed: int = 1) -> Dict[str, Any]:
+                  test_seed: int = 1) -> dict[str, Any]:
     """The plan and its few-shot split as one JSON-able record (format ``fewclip.protocol/1``).
 
     ``train.split`` is the few-shot split exactly as ``split.json`` of the
@@ -342,7 +343,7 @@ def protocol_json(plan: ProtocolPlan, split: Optional[FewShotSplit], *, max_test
     """
     if split is not None and split.classnames and list(split.classnames) != list(plan.train.classnames):
         raise DatasetError(f"the few-shot split is not of {plan.train.name!r}: its class names differ")
-    record: Dict[str, Any] = {
+    record: dict[str, Any] = {
         "format": PROTOCOL_FORMAT,
         "protocol": plan.protocol,
         "source": {"dataset": plan.source.name, "classnames": list(plan.source.classnames)},
@@ -363,7 +364,7 @@ def protocol_json(plan: ProtocolPlan, split: Optional[FewShotSplit], *, max_test
     return record
 
 
-def check_protocol_json(obj: Any, *, source: str = "protocol split") -> Dict[str, Any]:
+def check_protocol_json(obj: Any, *, source: str = "protocol split") -> dict[str, Any]:
     """``obj`` if it is a well-formed protocol record, else a ``DatasetError`` naming what is wrong."""
     if not isinstance(obj, dict) or obj.get("format") != PROTOCOL_FORMAT:
         raise DatasetError(f"{source} is not a protocol split (expected \"format\": {PROTOCOL_FORMAT!r})")
@@ -395,7 +396,7 @@ def write_protocol_split(plan: ProtocolPlan, split: Optional[FewShotSplit], path
     return atomic_write_json(path, protocol_json(plan, split, max_test=max_test, test_seed=test_seed))
 
 
-def read_protocol_split(path: str | os.PathLike) -> Dict[str, Any]:
+def read_protocol_split(path: str | os.PathLike) -> dict[str, Any]:
     """A protocol record written by ``write_protocol_split``, checked; its ``train.split`` as a ``FewShotSplit``
     is ``FewShotSplit.from_json(record["train"]["split"])`` (``None`` for a zero-shot run)."""
     try:
@@ -408,7 +409,7 @@ def read_protocol_split(path: str | os.PathLike) -> Dict[str, Any]:
     return check_protocol_json(obj, source=f"protocol split file {path}")
 
 
-def base2new_table(rows: Mapping[str, Tuple[float, float]]) -> Dict[str, Dict[str, float]]:
+def base2new_table(rows: Mapping[str, tuple[float, float]]) -> dict[str, dict[str, float]]:
     """CoCoOp's Table 1 from per-dataset (base, new) accuracies: base, new and HM per dataset, then an
     ``"average"`` row (with two or more datasets) whose HM is that of the averaged base and new, as the
     paper's average row is (CLIP ViT-B/16: 69.34 / 74.22 -> H 71.70), not the mean of the per-dataset HMs."""

@@ -42,15 +42,17 @@ import hashlib
 import io
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Optional
 
-from fewclip.data.coop_pickle import CoopPickleError, load_coop_pickle, stated as coop_stated
-from fewclip.data.coop_sampler import draw_split
 from fewclip.data.base import DataConfig, Dataset, DatasetError, Item
-from fewclip.utils.io import atomic_write_text
+from fewclip.data.coop_pickle import CoopPickleError, load_coop_pickle
+from fewclip.data.coop_pickle import stated as coop_stated
+from fewclip.data.coop_sampler import draw_split
 from fewclip.data.splits import VAL_SHOTS_MAX, FewShotSplit, derive_seed, sample_few_shot
+from fewclip.utils.io import atomic_write_text
 
 FORMATS = ("zhou", "2sfs", "manifest", "fewclip", "coop_pickle")
 WRITTEN = ("zhou", "2sfs", "manifest", "fewclip")
@@ -124,15 +126,15 @@ class SplitFile:
 
     format: str
     path: Path
-    train: List[Entry]
-    val: Optional[List[Entry]]
-    files: Dict[str, str] = field(default_factory=dict)
+    train: list[Entry]
+    val: Optional[list[Entry]]
+    files: dict[str, str] = field(default_factory=dict)
     shots: Optional[int] = None  # where the file states them (fewclip's, 2SFS's file name)
     seed: Optional[int] = None
 
-    def source(self) -> Dict[str, object]:
+    def source(self) -> dict[str, object]:
         """What a run records about the file: its absolute path, format and every file's sha256."""
-        out: Dict[str, object] = {"path": str(self.path.resolve()), "format": self.format,
+        out: dict[str, object] = {"path": str(self.path.resolve()), "format": self.format,
                                   "sha256": self.files[str(self.path)]}
         others = {str(Path(p).resolve()): h for p, h in self.files.items() if p != str(self.path)}
         if others:
@@ -198,14 +200,14 @@ def _relpath(value, path: Path, fmt: str, where: str) -> str:
     return value.strip()
 
 
-def _parse_zhou(path: Path, data: bytes) -> Tuple[List[Entry], Optional[List[Entry]]]:
+def _parse_zhou(path: Path, data: bytes) -> tuple[list[Entry], Optional[list[Entry]]]:
     try:
         obj = json.loads(_text(path, data, "zhou"))
     except ValueError as e:
         raise _wrong(path, "zhou", f"not JSON: {e}") from None
     if not isinstance(obj, dict) or not isinstance(obj.get("train"), list):
         raise _wrong(path, "zhou", "no 'train' list")
-    out: Dict[str, List[Entry]] = {}
+    out: dict[str, list[Entry]] = {}
     for split in ("train", "val"):
         if split not in obj:
             continue
@@ -225,7 +227,7 @@ def _parse_zhou(path: Path, data: bytes) -> Tuple[List[Entry], Optional[List[Ent
     return out["train"], out.get("val")
 
 
-def _parse_jsonl(path: Path, data: bytes) -> List[Entry]:
+def _parse_jsonl(path: Path, data: bytes) -> list[Entry]:
     entries = []
     for n, line in enumerate(_text(path, data, "2sfs").splitlines(), 1):
         if not line.strip():
@@ -244,12 +246,12 @@ def _parse_jsonl(path: Path, data: bytes) -> List[Entry]:
     return entries
 
 
-def twosfs_names(shots: int, seed: int) -> Tuple[str, str]:
+def twosfs_names(shots: int, seed: int) -> tuple[str, str]:
     """2SFS's file names of a (shots, seed) split: ``shot_16-seed_1_train.jsonl`` and ``..._val.jsonl``."""
     return f"shot_{shots}-seed_{seed}_train.jsonl", f"shot_{shots}-seed_{seed}_val.jsonl"
 
 
-def _twosfs_pair(path: Path) -> Tuple[Path, Optional[Path]]:
+def _twosfs_pair(path: Path) -> tuple[Path, Optional[Path]]:
     """(train file, val file) of a 2SFS split given either of them."""
     name = path.name
     if name.endswith("_val.jsonl"):
@@ -259,7 +261,7 @@ def _twosfs_pair(path: Path) -> Tuple[Path, Optional[Path]]:
     return path, None
 
 
-def _twosfs_stated(path: Path) -> Tuple[Optional[int], Optional[int]]:
+def _twosfs_stated(path: Path) -> tuple[Optional[int], Optional[int]]:
     stem = path.name.split("_train.jsonl")[0].split("_val.jsonl")[0]
     try:
         shot, seed = stem.split("-")
@@ -268,7 +270,7 @@ def _twosfs_stated(path: Path) -> Tuple[Optional[int], Optional[int]]:
         return None, None
 
 
-def _parse_manifest(path: Path, data: bytes) -> Tuple[List[Entry], Optional[List[Entry]]]:
+def _parse_manifest(path: Path, data: bytes) -> tuple[list[Entry], Optional[list[Entry]]]:
     text = _text(path, data, "manifest")
     lines = [ln for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
     if not lines:
@@ -279,8 +281,8 @@ def _parse_manifest(path: Path, data: bytes) -> Tuple[List[Entry], Optional[List
             raise _wrong(path, "manifest", f"a .csv file whose first line is {lines[0]!r}, not the header "
                                            f"{','.join(MANIFEST_HEADER)}")
         return [Entry(ln.strip()) for ln in lines], None
-    train: List[Entry] = []
-    val: List[Entry] = []
+    train: list[Entry] = []
+    val: list[Entry] = []
     for n, row in enumerate(csv.reader(io.StringIO("\n".join(lines[1:]))), 2):
         where = f"row {n} = {','.join(row)!r}"
         if len(row) != 3:
@@ -345,7 +347,7 @@ def read_file(path: str | os.PathLike, fmt: Optional[str] = None) -> SplitFile:
             raise _wrong(path, "fewclip", str(e)) from None
         names = split.classnames
 
-        def entries(items: Sequence[Item]) -> List[Entry]:
+        def entries(items: Sequence[Item]) -> list[Entry]:
             return [Entry(it.id, it.label, names[it.label] if it.label < len(names) else None) for it in items]
 
         train, val = entries(split.train), entries(split.val)
@@ -366,13 +368,13 @@ class _Index:
     AMBIGUOUS = ""
 
     def __init__(self, dataset: Dataset):
-        self.where: Dict[str, Tuple[str, int, Item]] = {}
+        self.where: dict[str, tuple[str, int, Item]] = {}
         for split in ("train", "val", "test"):
             for i, it in enumerate(dataset.splits.get(split, [])):
                 self.where.setdefault(it.id, (split, i, it))
-        self._suffixes: Optional[Dict[str, str]] = None
+        self._suffixes: Optional[dict[str, str]] = None
 
-    def _suffix_index(self) -> Dict[str, str]:
+    def _suffix_index(self) -> dict[str, str]:
         if self._suffixes is None:
             self._suffixes = {}
             for id_ in self.where:
@@ -382,7 +384,7 @@ class _Index:
                     self._suffixes[tail] = id_ if self._suffixes.get(tail, id_) == id_ else self.AMBIGUOUS
         return self._suffixes
 
-    def find(self, path: str) -> Optional[Tuple[str, int, Item]]:
+    def find(self, path: str) -> Optional[tuple[str, int, Item]]:
         if path in self.where:
             return self.where[path]
         parts = [p for p in path.replace("\\", "/").split("/") if p not in ("", ".")]
@@ -404,10 +406,10 @@ def _listing(things: Sequence[str], quote: bool = True) -> str:
     return ", ".join(repr(t) if quote else t for t in things[:SHOWN]) + more
 
 
-def _check_labels(sf: SplitFile, pairs: Sequence[Tuple[Entry, Item]], dataset: Dataset) -> None:
+def _check_labels(sf: SplitFile, pairs: Sequence[tuple[Entry, Item]], dataset: Dataset) -> None:
     """A file's labels may number the classes otherwise than the dataset, but each must name one class."""
-    to_dataset: Dict[int, int] = {}
-    bad: List[str] = []
+    to_dataset: dict[int, int] = {}
+    bad: list[str] = []
     for e, it in pairs:
         if e.label is None:
             continue
@@ -428,7 +430,7 @@ def _name_key(name: str) -> str:
     return " ".join(name.replace("_", " ").split()).casefold()
 
 
-def _check_names(sf: SplitFile, pairs: Sequence[Tuple[Entry, Item]], dataset: Dataset) -> None:
+def _check_names(sf: SplitFile, pairs: Sequence[tuple[Entry, Item]], dataset: Dataset) -> None:
     """Each image's class name in the file (where the format has one) against the dataset's name of its label,
     label by label: the file's label numbers may differ, its names may not (wrong names, one name for every
     class, or another dataset's split whose image ids happen to be this one's)."""
@@ -456,12 +458,12 @@ def resolve(sf: SplitFile, dataset: Dataset, *, seed: Optional[int] = None, shot
     fewer. A file without validation images gets fewclip's draw of them with ``seed`` (none without a seed)."""
     index = _Index(dataset)
     sections = [("train", sf.train)] + ([("val", sf.val)] if sf.val is not None else [])
-    missing: List[str] = []
-    leaked: List[str] = []
-    pairs: List[Tuple[Entry, Item]] = []
-    found: Dict[str, List[Tuple[int, int, Item]]] = {"train": [], "val": []}
-    seen: Dict[str, str] = {}
-    twice: List[str] = []
+    missing: list[str] = []
+    leaked: list[str] = []
+    pairs: list[tuple[Entry, Item]] = []
+    found: dict[str, list[tuple[int, int, Item]]] = {"train": [], "val": []}
+    seen: dict[str, str] = {}
+    twice: list[str] = []
     for section, entries in sections:
         for e in entries:
             hit = index.find(e.path)
@@ -492,7 +494,7 @@ def resolve(sf: SplitFile, dataset: Dataset, *, seed: Optional[int] = None, shot
     _check_labels(sf, pairs, dataset)
     _check_names(sf, pairs, dataset)
 
-    def ordered(rows: List[Tuple[int, int, Item]]) -> List[Item]:  # as make_few_shot_split: by class, then index
+    def ordered(rows: list[tuple[int, int, Item]]) -> list[Item]:  # as make_few_shot_split: by class, then index
         return [it for _, _, it in sorted(rows, key=lambda r: (r[2].label, r[0], r[1]))]
 
     train = ordered(found["train"])
@@ -580,13 +582,13 @@ def _image_path(dataset: Dataset, item: Item, root: Optional[str]) -> str:
 
 
 def write_file(split: FewShotSplit, dataset: Dataset, fmt: str, out: str | os.PathLike,
-               root: Optional[str] = None) -> List[Path]:
+               root: Optional[str] = None) -> list[Path]:
     """Write ``split`` (of ``dataset``) in format ``fmt``; returns the files written (2SFS: train and val)."""
     folder = str(out).endswith(("/", os.sep))  # Path() drops the slash that says "a folder"
     out = Path(out).expanduser()
     names = dataset.classnames
     if fmt == "zhou":
-        def rows(items: Sequence[Item]) -> List[list]:
+        def rows(items: Sequence[Item]) -> list[list]:
             return [[it.id, it.label, names[it.label]] for it in items]
 
         obj = {"train": rows(split.train), "val": rows(split.val), "test": rows(dataset.splits.get("test", []))}
@@ -673,7 +675,7 @@ def import_split(opts: SplitOptions, path: str, dataset: Dataset) -> str:
     return "\n".join(lines)
 
 
-def _differ(mine: Sequence[Item], other: Sequence[Item]) -> Tuple[int, int]:
+def _differ(mine: Sequence[Item], other: Sequence[Item]) -> tuple[int, int]:
     """(images of ``mine`` that ``other`` lacks, images of ``other`` that ``mine`` lacks)."""
     a, b = {it.id for it in mine}, {it.id for it in other}
     return len(a - b), len(b - a)
@@ -682,7 +684,7 @@ def _differ(mine: Sequence[Item], other: Sequence[Item]) -> Tuple[int, int]:
 def compare(split: FewShotSplit, own: FewShotSplit) -> str:
     """What differs between a file's split and a draw: the training images, the validation images, both or
     neither, with counts."""
-    diffs: Dict[str, str] = {}
+    diffs: dict[str, str] = {}
     for what, mine, other in (("training", split.train, own.train), ("validation", split.val, own.val)):
         only_file, only_draw = _differ(mine, other)
         if only_file or only_draw:

@@ -16,12 +16,13 @@ import json
 import os
 import random
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Optional
 
-from fewclip.utils.io import atomic_write_json
 from fewclip.data.base import Dataset, DatasetError, Item
+from fewclip.utils.io import atomic_write_json
 
 SPLIT_FORMAT = "fewclip.fewshot/1"
 
@@ -31,18 +32,18 @@ VAL_SHOTS_MAX = 4
 
 def derive_seed(seed: int, stream: str) -> int:
     """A seed for a named sub-stream of ``seed``: unrelated to it, the same on every machine."""
-    digest = hashlib.sha256(f"{seed}/{stream}".encode("utf-8")).digest()
+    digest = hashlib.sha256(f"{seed}/{stream}".encode()).digest()
     return int.from_bytes(digest[:8], "big")
 
 
-def _by_class(labels: Sequence[int]) -> Dict[int, List[int]]:
-    groups: Dict[int, List[int]] = defaultdict(list)
+def _by_class(labels: Sequence[int]) -> dict[int, list[int]]:
+    groups: dict[int, list[int]] = defaultdict(list)
     for i, y in enumerate(labels):
         groups[int(y)].append(i)
     return groups
 
 
-def check_enough(groups: Dict[int, List[int]], classes: Sequence[int], k: int,
+def check_enough(groups: dict[int, list[int]], classes: Sequence[int], k: int,
                  classnames: Optional[Sequence[str]], allow_fewer: bool) -> None:
     """A ``DatasetError`` naming the classes of ``classes`` with fewer than ``k`` items in ``groups`` (label ->
     indices), unless ``allow_fewer``."""
@@ -66,7 +67,7 @@ def sample_few_shot(
     *,
     classnames: Optional[Sequence[str]] = None,
     allow_fewer: bool = False,
-) -> List[int]:
+) -> list[int]:
     """Indices into ``labels``, ``k`` per class, ordered by (class, index).
 
     Classes are those present in ``labels``, or ``0..len(classnames)-1`` when
@@ -82,14 +83,14 @@ def sample_few_shot(
     groups = _by_class(labels)
     classes = range(len(classnames)) if classnames is not None else sorted(groups)
     check_enough(groups, classes, k, classnames, allow_fewer)
-    chosen: List[int] = []
+    chosen: list[int] = []
     for y in classes:
         idx = groups.get(y, [])
         chosen += idx if len(idx) <= k else sorted(rng.sample(idx, k))
     return chosen
 
 
-def subsample_test(items: Sequence[Item], max_n: int, seed: int) -> List[Item]:
+def subsample_test(items: Sequence[Item], max_n: int, seed: int) -> list[Item]:
     """At most ``max_n`` items, each class keeping its share (largest remainder), in the input order."""
     if isinstance(max_n, bool) or not isinstance(max_n, int) or max_n < 1:
         raise ValueError(f"data.max_test must be an integer >= 1, got {max_n!r}")
@@ -103,7 +104,7 @@ def subsample_test(items: Sequence[Item], max_n: int, seed: int) -> List[Item]:
     for y in by_remainder[:left]:
         quota[y] += 1
     rng = random.Random(seed)
-    keep: List[int] = []
+    keep: list[int] = []
     for y in sorted(groups):
         keep += rng.sample(groups[y], quota[y])
     return [items[i] for i in sorted(keep)]
@@ -115,19 +116,19 @@ class FewShotSplit:
 
     shots: int
     seed: int
-    train: List[Item]
-    val: List[Item]
+    train: list[Item]
+    val: list[Item]
     dataset: str = ""
-    classnames: List[str] = field(default_factory=list)
+    classnames: list[str] = field(default_factory=list)
     allow_fewer: bool = False
     # Where the split was read from (``data.fewshot_file``: path, format, sha256; ``fewclip.data.split_files``);
     # None: drawn by ``make_few_shot_split``.
-    source: Optional[Dict[str, Any]] = None
+    source: Optional[dict[str, Any]] = None
     # Which draw made it (``data.sampler``: "fewclip" or "coop", ``fewclip.data.coop_sampler``); written only when "coop",
     # so the split.json of a run of fewclip's draw is as before.
     sampler: str = "fewclip"
 
-    def to_json(self) -> Dict[str, Any]:
+    def to_json(self) -> dict[str, Any]:
         out = {
             "format": SPLIT_FORMAT,
             "dataset": self.dataset,
@@ -145,14 +146,14 @@ class FewShotSplit:
         return out
 
     @classmethod
-    def from_json(cls, obj: Any, *, source: str = "few-shot split") -> "FewShotSplit":
+    def from_json(cls, obj: Any, *, source: str = "few-shot split") -> FewShotSplit:
         if not isinstance(obj, dict) or obj.get("format") != SPLIT_FORMAT:
             raise DatasetError(f"{source} is not a few-shot split (expected \"format\": {SPLIT_FORMAT!r})")
         for key, typ in (("shots", int), ("seed", int), ("dataset", str), ("train", list), ("val", list)):
             if not isinstance(obj.get(key), typ) or isinstance(obj.get(key), bool):
                 raise DatasetError(f"{source}: {key!r} must be a {typ.__name__}, got {obj.get(key)!r}")
 
-        def items(key: str) -> List[Item]:
+        def items(key: str) -> list[Item]:
             out = []
             for i, row in enumerate(obj[key]):
                 if not (isinstance(row, list) and len(row) == 2 and isinstance(row[0], str)
@@ -221,7 +222,7 @@ def read_split(path: str | os.PathLike) -> FewShotSplit:
 TEST_SUBSET_SEED = 1
 
 
-def test_items(dataset: Dataset, max_test: Optional[int]) -> List[Item]:
+def test_items(dataset: Dataset, max_test: Optional[int]) -> list[Item]:
     """The test images a run is scored on: all of them, or a class-stratified subset of ``max_test`` drawn with
     ``TEST_SUBSET_SEED``."""
     items = dataset.items("test")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any
 
 import torchvision
 
@@ -27,7 +27,7 @@ def describe_transform(transform) -> str:
     return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(transform))
 
 
-def address(backbone, dataset, view, batch_size: int) -> Dict[str, Any]:
+def address(backbone, dataset, view, batch_size: int) -> dict[str, Any]:
     """The group address of the features of ``dataset``'s images through ``backbone``'s frozen image tower,
     as ``view`` (None: the backbone's evaluation transform), encoded in batches of ``batch_size``."""
     if view is None:

@@ -13,23 +13,24 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import NamedTuple, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset as TorchDataset
+from torch.utils.data import DataLoader
+from torch.utils.data import Dataset as TorchDataset
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TF
 
+from fewclip.backbones.backbone import Backbone
+from fewclip.data.class_names import class_keys
 from fewclip.data.image_fingerprint import fingerprint
 from fewclip.data.splits import derive_seed
-
-from fewclip.backbones.backbone import Backbone
+from fewclip.features.address import address
 from fewclip.utils.errors import os_error_message
 from fewclip.utils.heartbeat import step
 from fewclip.utils.progress import progress
-from fewclip.features.address import address
-from fewclip.data.class_names import class_keys
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class Features(NamedTuple):
     y: torch.Tensor  # [N] long
 
     @staticmethod
-    def empty(dim: int) -> "Features":
+    def empty(dim: int) -> Features:
         return Features(torch.empty(0, dim), torch.empty(0, dtype=torch.long))
 
 
@@ -64,8 +65,8 @@ class Features(NamedTuple):
 # ---------------------------------------------------------------------------
 
 
-def crop_box(height: int, width: int, scale: Tuple[float, float], ratio: Tuple[float, float],
-             generator: torch.Generator) -> Tuple[int, int, int, int]:
+def crop_box(height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float],
+             generator: torch.Generator) -> tuple[int, int, int, int]:
     """RandomResizedCrop's box (top, left, h, w) for an image of ``height`` x ``width``, drawn from ``generator``.
 
     torchvision's ``RandomResizedCrop.get_params`` with the same draws in the same order (ten tries of an
@@ -99,13 +100,13 @@ class Augment:
     ``hflip``, then the backbone's normalisation."""
 
     size: int
-    mean: Tuple[float, ...]
-    std: Tuple[float, ...]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
     scale_min: float = 0.08
     hflip: bool = True
 
     @classmethod
-    def for_run(cls, backbone: Backbone, dataset, scale_min: Optional[float] = None) -> "Augment":
+    def for_run(cls, backbone: Backbone, dataset, scale_min: Optional[float] = None) -> Augment:
         """The augmentation of ``dataset`` on ``backbone``; ``scale_min`` None = the dataset's recommendation."""
         scale_min = scale_min if scale_min is not None else getattr(dataset, "min_crop_scale", 0.08)
         return cls(int(backbone.image_size), tuple(backbone.mean), tuple(backbone.std), float(scale_min),
@@ -179,8 +180,8 @@ def extract_features(
     # global RNG (the images are fixed by the transform or the view's own generators anyway).
     loader = DataLoader(ImageItems(dataset, items, transform, view), batch_size=batch_size, shuffle=False,
                         num_workers=workers, generator=torch.Generator())
-    feats: List[torch.Tensor] = []
-    labels: List[torch.Tensor] = []
+    feats: list[torch.Tensor] = []
+    labels: list[torch.Tensor] = []
     # Announced from LOG_ENCODING_FROM images; a smaller encoding is named by the heartbeat only if it runs long
     # (one batch of a large tower on a busy CPU can take a minute).
     with step(f"{desc}: encoding {len(items)} images with {backbone.name}", announce=len(items) >= LOG_ENCODING_FROM,
@@ -217,7 +218,7 @@ class FeatureCache:
 
     def __init__(self, store=None):
         self.store = store
-        self._entries: Dict[Tuple, Tuple[object, Features, bool]] = {}  # key -> (dataset, features, from store)
+        self._entries: dict[tuple, tuple[object, Features, bool]] = {}  # key -> (dataset, features, from store)
 
     def features(self, backbone: Backbone, dataset, items: Sequence, *, view: Optional[View] = None,
                  batch_size: int = 256, workers: int = 0, desc: str = "features") -> Lookup:

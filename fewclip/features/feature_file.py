@@ -35,23 +35,23 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from fewclip.backbones.backbone import backbone_config_from_dict, load_backbone
 from fewclip.backbones.feature_backbone import FeatureBackbone
 from fewclip.backbones.geometry import make_geometry
-from fewclip.utils.io import atomic_write
-from fewclip.utils.tensor_checks import INT, check_digests, check_tensor, tensor_digests
-
-from fewclip.backbones.backbone import backbone_config_from_dict, load_backbone
 from fewclip.data.base import SPLITS, DataConfig, Dataset, DatasetError, Item, build_dataset, check_classnames
 from fewclip.features.encode import class_text_features
+from fewclip.utils.io import atomic_write
+from fewclip.utils.tensor_checks import INT, check_digests, check_tensor, tensor_digests
 
 FORMAT = "fewclip.features"
 FORMAT_VERSION = 1
@@ -63,13 +63,13 @@ class FeatureFile:
     """A feature file's content: per split ``(x [N, D], y [N])``, optional training views, the class text
     features and the metadata."""
 
-    splits: Dict[str, tuple]
-    classnames: List[str]
-    templates: List[str]
+    splits: dict[str, tuple]
+    classnames: list[str]
+    templates: list[str]
     text: Optional[Tensor]  # [C, T, D] or None (built from meta["backbone"])
-    geometry: Optional[Dict[str, Any]]
+    geometry: Optional[dict[str, Any]]
     views: Optional[Tensor] = None  # [V, N, D]
-    meta: Dict[str, Any] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
 
 
 def _sha256(path: Path) -> str:
@@ -81,11 +81,11 @@ def _sha256(path: Path) -> str:
 
 
 def write_feature_file(path, *, train, test, classnames: Sequence[str], text: Optional[Tensor],
-                       geometry: Optional[Dict[str, Any]], val=None, templates: Sequence[str] = ("{}",),
+                       geometry: Optional[dict[str, Any]], val=None, templates: Sequence[str] = ("{}",),
                        views: Optional[Tensor] = None, **meta: Any) -> Path:
     """Write a feature file (module docstring). ``train``/``val``/``test``: ``(x [N, D], y [N])`` pairs;
     ``geometry``: ``{"name": ..., "params": {...}}``; ``meta``: ``dataset``, ``backbone``, ``source``."""
-    tensors: Dict[str, Tensor] = {}
+    tensors: dict[str, Tensor] = {}
     for split, pair in (("train", train), ("val", val), ("test", test)):
         if pair is None:
             continue
@@ -130,7 +130,7 @@ def read_feature_file(path) -> FeatureFile:
     return ff
 
 
-def _checked(tensors: Dict[str, Tensor], header: Dict[str, Any], where: str) -> FeatureFile:
+def _checked(tensors: dict[str, Tensor], header: dict[str, Any], where: str) -> FeatureFile:
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise DatasetError(f"{where}: metadata format must be {FORMAT!r}, got {header.get('format')!r}")
     if int(header.get("format_version", 0)) > FORMAT_VERSION:
@@ -276,7 +276,7 @@ def export_backbone(run_cfg) -> Optional[FeatureBackbone]:
     return dataset_backbone(build_dataset(run_cfg.data))
 
 
-def backbone_from_export(meta: Dict[str, Any]) -> Optional[FeatureBackbone]:
+def backbone_from_export(meta: dict[str, Any]) -> Optional[FeatureBackbone]:
     """The feature backbone an export of a feature-file run names (``backbone.feature_file``), or None."""
     bb = meta.get("backbone") or {}
     path = bb.get("feature_file")

@@ -54,20 +54,20 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from fewclip.utils.io import atomic_write, atomic_write_text
-from fewclip.utils.locks import RunLock
-
 from fewclip.data.image_fingerprint import changed, fingerprint, verify_mode
 from fewclip.features.address import FORMAT, VERSION, VIEW_CODE_VERSION, address, describe_transform  # noqa: F401
 from fewclip.utils import env
+from fewclip.utils.io import atomic_write, atomic_write_text
+from fewclip.utils.locks import RunLock
 from fewclip.utils.tensor_checks import tensor_problem
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def store_setting(value: Optional[str] = None) -> Optional[str]:
     return str(Path(value).expanduser().resolve())
 
 
-def open_store(value: Optional[str] = None) -> Optional["FeatureStore"]:
+def open_store(value: Optional[str] = None) -> Optional[FeatureStore]:
     """The store a setting names (``store_setting``), or None."""
     root = store_setting(value)
     return FeatureStore(root) if root else None
@@ -134,7 +134,7 @@ def entry_checksum(x: torch.Tensor, ids_json: str, source_json: str) -> str:
 class StoreGroup:
     """One group folder of the store (features of one dataset through one tower and one transform)."""
 
-    def __init__(self, store: "FeatureStore", addr: Dict[str, Any]):
+    def __init__(self, store: FeatureStore, addr: dict[str, Any]):
         self.store = store
         self.address = addr
         self.digest = _digest(addr)[:40]
@@ -232,7 +232,7 @@ class GroupInfo:
 
     digest: str
     path: Path
-    address: Dict[str, Any]
+    address: dict[str, Any]
     requests: int
     images: int
     bytes: int
@@ -253,10 +253,10 @@ class FeatureStore:
         self.root = Path(root)
         self.verify = verify_mode(verify)  # "stat" or "hash" (FEWCLIP_CACHE_VERIFY)
 
-    def group(self, addr: Dict[str, Any]) -> StoreGroup:
+    def group(self, addr: dict[str, Any]) -> StoreGroup:
         return StoreGroup(self, addr)
 
-    def groups(self) -> List[GroupInfo]:
+    def groups(self) -> list[GroupInfo]:
         """Every group with its size, newest use first."""
 
         out = []
@@ -283,7 +283,7 @@ class FeatureStore:
             out.append(GroupInfo(d.name, d, addr, requests, images, size, last))
         return sorted(out, key=lambda g: -g.last_used)
 
-    def old_formats(self) -> List[Path]:
+    def old_formats(self) -> list[Path]:
         """Folders of older store formats under the root (never read; ``clear`` with no filter removes them)."""
         if not self.root.is_dir():
             return []
@@ -291,7 +291,7 @@ class FeatureStore:
                       and d.name != f"v{VERSION}")
 
     def clear(self, backbone: Optional[str] = None, dataset: Optional[str] = None,
-              root: Optional[str] = None) -> List[GroupInfo]:
+              root: Optional[str] = None) -> list[GroupInfo]:
         """Remove every group (or those of ``backbone``, ``dataset`` and/or the data ``root``); returns what was
         removed. ``dataset`` matches a dataset's name and its class views (``toy-objects`` also clears
         ``toy-objects[base]``); ``root`` matches a dataset root and every root under it. Clearing everything

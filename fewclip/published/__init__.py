@@ -24,10 +24,11 @@ import csv
 import math
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Optional
 
 from fewclip.utils.errors import InputError
 
@@ -63,7 +64,7 @@ class PublishedRow:
     train_dataset: str = ""
 
 
-def _parse_row(raw: Dict[str, str], where: str) -> PublishedRow:
+def _parse_row(raw: dict[str, str], where: str) -> PublishedRow:
     missing = [c for c in COLUMNS if not (raw.get(c) or "").strip() and c not in ("note", "train_dataset")]
     if missing:
         raise PublishedError(f"{where}: empty {', '.join(missing)}; every row needs a value and its source")
@@ -86,7 +87,7 @@ def _parse_row(raw: Dict[str, str], where: str) -> PublishedRow:
     return row
 
 
-def load_table(path: str | Path | None = None) -> List[PublishedRow]:
+def load_table(path: str | Path | None = None) -> list[PublishedRow]:
     """The rows of a published-results CSV (default: the one shipped with fewclip), checked."""
     path = Path(path or RESULTS_FILE)
     try:
@@ -97,7 +98,7 @@ def load_table(path: str | Path | None = None) -> List[PublishedRow]:
             rows = [_parse_row(raw, f"{path} line {i}") for i, raw in enumerate(reader, start=2)]
     except OSError as e:
         raise PublishedError(f"cannot read the published-results table {path}: {e.strerror or e}") from None
-    seen: Dict[PublishedRow, int] = {}
+    seen: dict[PublishedRow, int] = {}
     for i, r in enumerate(rows, start=2):
         if r in seen:
             raise PublishedError(f"{path} line {i}: a duplicate of line {seen[r]}")
@@ -111,7 +112,7 @@ def shipped_table() -> tuple:
 
 
 @lru_cache(maxsize=1)
-def backbone_checksums() -> Dict[str, str]:
+def backbone_checksums() -> dict[str, str]:
     """sha256 of a published weights file -> its open_clip ARCH/TAG (``backbones.csv``)."""
     with BACKBONES_FILE.open(newline="", encoding="utf-8") as f:
         return {r["sha256"]: r["backbone"] for r in csv.DictReader(f)}
@@ -128,7 +129,7 @@ def backbone_key(name: str, sha256: Optional[str] = None) -> str:
 
 def filter_rows(rows: Sequence[PublishedRow], method: Sequence[str] = (), dataset: Sequence[str] = (),
                 protocol: Sequence[str] = (), backbone: Sequence[str] = (), shots: Sequence[int] = (),
-                metric: Sequence[str] = ()) -> List[PublishedRow]:
+                metric: Sequence[str] = ()) -> list[PublishedRow]:
     """The rows whose fields are among the given values (an empty list keeps every value). Backbones compare by
     :func:`backbone_key`, so ``ViT-B-16-quickgelu/openai`` or a weights sha256 finds ``ViT-B-16/openai``."""
     want_bb = {backbone_key(b, b if _SHA256.fullmatch(b) else None) for b in backbone}
@@ -148,16 +149,16 @@ def _help(text: str) -> dict:
 
 @dataclass
 class PublishedOptions:
-    method: List[str] = field(default_factory=list, metadata=_help(
+    method: list[str] = field(default_factory=list, metadata=_help(
         "only these methods, by fewclip's names (coop, tip_adapter_f, lora, ...); comma-separated or [a,b]"))
-    dataset: List[str] = field(default_factory=list, metadata=_help(
+    dataset: list[str] = field(default_factory=list, metadata=_help(
         "only these datasets (fewclip's names, or average: the mean over the 11 datasets)"))
-    protocol: List[str] = field(default_factory=list, metadata=_help(
+    protocol: list[str] = field(default_factory=list, metadata=_help(
         f"only these protocols: {', '.join(PROTOCOLS)} (few_shot is read as fewshot)"))
-    backbone: List[str] = field(default_factory=list, metadata=_help(
+    backbone: list[str] = field(default_factory=list, metadata=_help(
         "only these backbones: open_clip ARCH/TAG (ViT-B-16/openai; -quickgelu is ignored) or a weights sha256"))
-    shots: List[int] = field(default_factory=list, metadata=_help("only these shots (0: zero-shot)"))
-    metric: List[str] = field(default_factory=list, metadata=_help("only these metrics: top1, base, new, hm"))
+    shots: list[int] = field(default_factory=list, metadata=_help("only these shots (0: zero-shot)"))
+    metric: list[str] = field(default_factory=list, metadata=_help("only these metrics: top1, base, new, hm"))
     sources: bool = field(default=True, metadata=_help("show each row's source (file and table) and note"))
 
 
@@ -168,7 +169,7 @@ USAGE = ("usage: fewclip published [method=NAME[,NAME]] [dataset=NAME] [protocol
 def parse_options(args: Sequence[str]) -> PublishedOptions:
     """``key=value`` arguments into :class:`PublishedOptions` (lists: ``a,b`` or ``[a,b]``)."""
     kinds = {f.name: f for f in fields(PublishedOptions)}
-    values: Dict[str, object] = {}
+    values: dict[str, object] = {}
     for a in args:
         key, eq, value = a.partition("=")
         if not eq or key not in kinds:

@@ -88,26 +88,22 @@ sorted path order is kept and the others are skipped with a warning.
 """
 from __future__ import annotations
 
-import logging
 import dataclasses
+import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
-
-from fewclip.utils.io import atomic_write_json, atomic_write_text
 
 from fewclip.config.report import ReportOptions
-
 from fewclip.report.html import write_html
 from fewclip.report.latex import render_latex
-from fewclip.report.published import Comparison, compare, render_published_csv, render_published_markdown
 from fewclip.report.plan import PlannedRun, account, plan_folders, plan_json, read_plan
 from fewclip.report.plots import plot_accuracy_vs_shots, plot_backbones, plot_cost_vs_accuracy, save_figure
-from fewclip.report.runs import (COST_FIGURE_FILE, FEWSHOT, FIGURE_FILE, METRICS_FILE, NoRunsFoundError, RunResult, SkippedFile,
-                   load_runs)
-from fewclip.report.stats import (CellStats, CostStats, ProtocolCell, aggregate, aggregate_protocols, cost_stats, summarize,
-                    t_critical_975)
+from fewclip.report.published import Comparison, compare, render_published_csv, render_published_markdown
+from fewclip.report.runs import COST_FIGURE_FILE, FEWSHOT, FIGURE_FILE, METRICS_FILE, NoRunsFoundError, RunResult, SkippedFile, load_runs
+from fewclip.report.stats import CellStats, CostStats, ProtocolCell, aggregate, aggregate_protocols, cost_stats, summarize, t_critical_975
 from fewclip.report.tables import figure_names, render_csv, render_markdown, to_json
+from fewclip.utils.io import atomic_write_json, atomic_write_text
 
 __all__ = ["CellStats", "CostStats", "NoRunsFoundError", "ProtocolCell", "Report", "ReportOptions", "RunResult",
            "SkippedFile", "render_latex", "select",

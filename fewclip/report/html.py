@@ -23,14 +23,14 @@ import json
 import logging
 import re
 from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 import yaml
 
-from fewclip.utils.io import atomic_write_text
-
 from fewclip.report.runs import RunResult
+from fewclip.utils.io import atomic_write_text
 
 logger = logging.getLogger(__name__)
 

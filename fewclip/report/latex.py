@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Dict, List, Sequence
+from collections.abc import Sequence
 
 from fewclip.report.runs import AVERAGE, PROTOCOL_TITLES
 from fewclip.report.stats import CellStats, ProtocolCell
@@ -49,8 +49,8 @@ def _best(values: Sequence) -> set:
     return {i for i, v in enumerate(values) if v is not None and v == top}
 
 
-def _tabular(columns: str, header: List[str], rows: List[List[str]], caption: str, label: str,
-             rules_before: Sequence[int] = ()) -> List[str]:
+def _tabular(columns: str, header: list[str], rows: list[list[str]], caption: str, label: str,
+             rules_before: Sequence[int] = ()) -> list[str]:
     out = [r"\begin{table}[t]", r"\centering", r"\small", rf"\caption{{{caption}}}", rf"\label{{{label}}}",
            rf"\begin{{tabular}}{{{columns}}}", r"\toprule", " & ".join(header) + r" \\", r"\midrule"]
     for i, row in enumerate(rows):
@@ -62,8 +62,8 @@ def _tabular(columns: str, header: List[str], rows: List[List[str]], caption: st
 
 
 def fewshot_tables(cells: Sequence[CellStats], with_ci: bool = True, metric: str = "top-1 accuracy",
-                   label: str = "fewshot") -> List[str]:
-    out: List[str] = []
+                   label: str = "fewshot") -> list[str]:
+    out: list[str] = []
     for bb in sorted({c.backbone for c in cells}):
         mine = [c for c in cells if c.backbone == bb]
         datasets = sorted({c.dataset for c in mine if not c.is_average})
@@ -93,7 +93,7 @@ def fewshot_tables(cells: Sequence[CellStats], with_ci: bool = True, metric: str
     return out
 
 
-def balanced_tables(cells: Sequence[CellStats], with_ci: bool = True) -> List[str]:
+def balanced_tables(cells: Sequence[CellStats], with_ci: bool = True) -> list[str]:
     """The few-shot tables of the mean per-class accuracy (balanced accuracy), then per backbone the lines
     without learning (majority class, uniform chance), where the runs record them."""
     mine = [dataclasses.replace(c, mean=c.mean_per_class, ci95=c.mean_per_class_ci95) for c in cells
@@ -116,13 +116,13 @@ def balanced_tables(cells: Sequence[CellStats], with_ci: bool = True) -> List[st
     return out
 
 
-def protocol_tables(cells: Sequence[ProtocolCell], with_ci: bool = False) -> List[str]:
-    out: List[str] = []
+def protocol_tables(cells: Sequence[ProtocolCell], with_ci: bool = False) -> list[str]:
+    out: list[str] = []
     for protocol in ("base2new", "cross_dataset", "domain_shift"):
         mine = [c for c in cells if c.protocol == protocol]
         for bb in sorted({c.backbone for c in mine}):
             here = [c for c in mine if c.backbone == bb]
-            at: Dict[tuple, ProtocolCell] = {(c.dataset, c.method, c.shots, c.eval): c for c in here}
+            at: dict[tuple, ProtocolCell] = {(c.dataset, c.method, c.shots, c.eval): c for c in here}
             rows_keys = list(dict.fromkeys((c.dataset, c.method, c.shots) for c in here))
             if protocol == "base2new":
                 evals = ["base", "new", "hm"]

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Optional
 
 from fewclip.published import AVERAGE, PublishedRow, load_table
 
@@ -36,7 +37,7 @@ NOT_BASELINES = ("zeroshot", "linear_probe")  # left out in the second few-shot 
 # ---------------------------------------------------------------------------
 
 
-def ranks(values: Sequence[float]) -> List[float]:
+def ranks(values: Sequence[float]) -> list[float]:
     """1-based ranks, ties sharing their average rank."""
     order = sorted(range(len(values)), key=lambda i: values[i])
     out = [0.0] * len(values)
@@ -86,15 +87,15 @@ def reproduced(published: float, measured: Optional[float]) -> Optional[bool]:
 # ---------------------------------------------------------------------------
 
 # A setting: ("fewshot", shots) with metric top1; ("base2new", metric); ("domain_shift", "source" | "targets").
-Table = Dict[Tuple, Dict[str, float]]
+Table = dict[tuple, dict[str, float]]
 
 
 @dataclass
 class Published:
     values: Table = field(default_factory=dict)
-    sources: Dict[Tuple, Dict[str, str]] = field(default_factory=dict)
+    sources: dict[tuple, dict[str, str]] = field(default_factory=dict)
 
-    def put(self, setting: Tuple, method: str, value: float, source: str) -> None:
+    def put(self, setting: tuple, method: str, value: float, source: str) -> None:
         # Two sources for one setting (a method re-run by another paper): keep the first, as results.csv lists
         # the original paper's row first.
         if method not in self.values.setdefault(setting, {}):
@@ -113,8 +114,8 @@ def published_side(rows: Optional[Iterable[PublishedRow]] = None) -> Published:
                     out.put(("fewshot", k), r.method, r.value, r.source)
             elif r.protocol == "base2new":
                 out.put(("base2new", r.metric), r.method, r.value, r.source)
-    ds: Dict[str, Dict[str, float]] = defaultdict(dict)
-    src: Dict[str, str] = {}
+    ds: dict[str, dict[str, float]] = defaultdict(dict)
+    src: dict[str, str] = {}
     for r in rows:
         if r.backbone == DOMAIN_SHIFT_BACKBONE and r.protocol == "domain_shift" and r.train_dataset == "imagenet":
             ds[r.method][r.dataset] = r.value
@@ -132,13 +133,13 @@ def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs)
 
 
-def measured_side(runs: Iterable) -> Tuple[Table, Dict[str, List[str]]]:
+def measured_side(runs: Iterable) -> tuple[Table, dict[str, list[str]]]:
     """Sweep runs (``fewclip.report.runs.RunResult``) -> (setting -> method -> value, notes). A backbone's value
     for a method is its mean over the tasks it ran on (seed means first); the value is the mean over backbones
     of the methods every listed backbone ran."""
     runs = list(runs)
     # (protocol, backbone, method, shots, dataset) -> metric -> [seed values]
-    cells: Dict[Tuple, Dict[str, List[float]]] = defaultdict(lambda: defaultdict(list))
+    cells: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in runs:
         key = (r.protocol, r.backbone, r.method, r.shots, r.dataset)
         if r.protocol == "fewshot":
@@ -153,10 +154,10 @@ def measured_side(runs: Iterable) -> Tuple[Table, Dict[str, List[str]]]:
                 cells[key]["source"].append(r.evals["source"])
             if targets:
                 cells[key]["targets"].append(_mean(targets))
-    notes: Dict[str, List[str]] = {}
+    notes: dict[str, list[str]] = {}
     # per backbone: setting -> method -> value
-    per_bb: Dict[str, Table] = defaultdict(lambda: defaultdict(dict))
-    grouped: Dict[Tuple, Dict[str, List[float]]] = defaultdict(lambda: defaultdict(list))
+    per_bb: dict[str, Table] = defaultdict(lambda: defaultdict(dict))
+    grouped: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for (protocol, bb, method, shots, ds), metrics in cells.items():
         for m, vals in metrics.items():
             grouped[(protocol, bb, method, shots, m)][ds].append(_mean(vals))
@@ -203,14 +204,14 @@ def measured_side(runs: Iterable) -> Tuple[Table, Dict[str, List[str]]]:
 @dataclass
 class Correlation:
     setting: str
-    methods: List[str]
+    methods: list[str]
     rho: float
 
 
-def correlations(pub: Table, got: Table) -> List[Correlation]:
+def correlations(pub: Table, got: Table) -> list[Correlation]:
     out = []
 
-    def one(label: str, setting: Tuple, drop: Sequence[str] = ()) -> None:
+    def one(label: str, setting: tuple, drop: Sequence[str] = ()) -> None:
         methods = sorted(m for m in set(pub.get(setting, {})) & set(got.get(setting, {})) if m not in drop)
         rho = spearman([pub[setting][m] for m in methods], [got[setting][m] for m in methods])
         out.append(Correlation(label, methods, rho))
@@ -231,17 +232,17 @@ def correlations(pub: Table, got: Table) -> List[Correlation]:
 class Finding:
     number: int
     text: str
-    published: List[Optional[float]]  # the effect(s), published
-    measured: List[Optional[float]]
+    published: list[Optional[float]]  # the effect(s), published
+    measured: list[Optional[float]]
     verdict: Optional[bool]  # None: not measured (or not published)
     note: str = ""
 
 
-def _get(t: Table, setting: Tuple, method: str) -> Optional[float]:
+def _get(t: Table, setting: tuple, method: str) -> Optional[float]:
     return t.get(setting, {}).get(method)
 
 
-def _diff(t: Table, setting: Tuple, a: str, b: str) -> Optional[float]:
+def _diff(t: Table, setting: tuple, a: str, b: str) -> Optional[float]:
     x, y = _get(t, setting, a), _get(t, setting, b)
     return None if x is None or y is None else x - y
 
@@ -263,10 +264,10 @@ def _crossing(t: Table) -> Optional[float]:
 PROMPT_METHODS = ("coop", "cocoop", "kgcoop", "maple", "promptsrc")
 
 
-def findings(pub: Table, got: Table) -> List[Finding]:
+def findings(pub: Table, got: Table) -> list[Finding]:
     """Issue 31's findings 1-9, each with the published and measured effects."""
     b2n = lambda m: ("base2new", m)  # noqa: E731
-    specs: List[Tuple[int, str, Callable[[Table], List[Optional[float]]], str]] = [
+    specs: list[tuple[int, str, Callable[[Table], list[Optional[float]]], str]] = [
         (1, "CoOp's new-class accuracy falls below zero-shot (base-to-novel new: CoOp - zero-shot)",
          lambda t: [_diff(t, b2n("new"), "coop", ZS)], ""),
         (2, "CoCoOp wins much of it back (new: CoCoOp - CoOp)",
@@ -321,7 +322,7 @@ def _fmt(x: Optional[float]) -> str:
     return f"{x:+.2f}" if abs(x) < 1000 else f"{x:.0f}"
 
 
-def render(pub: Published, got: Table, notes: Mapping[str, List[str]], runs_from: Sequence[str]) -> str:
+def render(pub: Published, got: Table, notes: Mapping[str, list[str]], runs_from: Sequence[str]) -> str:
     lines = [f"literature check: measured on {', '.join(notes.get('backbones', [])) or 'nothing'} "
              f"(runs under {', '.join(runs_from)}), against results.csv "
              f"({PUBLISHED_BACKBONE} 11-dataset averages; domain shift {DOMAIN_SHIFT_BACKBONE})", ""]
@@ -354,7 +355,7 @@ def render(pub: Published, got: Table, notes: Mapping[str, List[str]], runs_from
     return "\n".join(lines)
 
 
-def load_sweep_runs(folders: Sequence[str | Path]) -> List:
+def load_sweep_runs(folders: Sequence[str | Path]) -> list:
     """Every finished run under the sweep folders that exist (``fewclip.report.runs.load_runs``)."""
     from fewclip.report.runs import load_runs
 

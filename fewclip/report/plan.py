@@ -19,16 +19,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
-
-from fewclip.utils.io import read_json
+from typing import Any
 
 from fewclip.data.protocols import PROTOCOLS
-
 from fewclip.report.runs import MAX_INT, PROTOCOL_TITLES, RunResult
 from fewclip.runs.plan import PLAN_FILE, PLAN_FORMAT, PLAN_VERSION, first_line, plan_folder  # noqa: F401
+from fewclip.utils.io import read_json
 
 logger = logging.getLogger(__name__)
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 import logging
 import math
 import zlib
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
-
-from fewclip.utils.io import atomic_write
+from typing import Any
 
 from fewclip.report.runs import AVERAGE, ZEROSHOT
 from fewclip.report.stats import CellStats, CostStats
+from fewclip.utils.io import atomic_write
 
 logger = logging.getLogger(__name__)
 

@@ -23,19 +23,19 @@ import io
 import math
 import statistics
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Optional
 
-from fewclip.utils.io import read_json
 from fewclip.published import AVERAGE, ELEVEN, PublishedRow, backbone_key, display_dataset, shipped_table
-
 from fewclip.report.runs import FEWSHOT, NA, RunResult
+from fewclip.utils.io import read_json
 
 PUBLISHED_CSV_COLUMNS = ("method", "backbone", "dataset", "train_dataset", "protocol", "shots", "metric", "mean", "n",
                          "se", "published", "gap_se", "source", "note")
 
 # (protocol, method, backbone, dataset, shots, metric, train_dataset)
-Key = Tuple[str, str, str, str, int, str, str]
+Key = tuple[str, str, str, str, int, str, str]
 
 
 @dataclass(frozen=True)
@@ -64,10 +64,10 @@ def _weights_sha256(run: RunResult) -> Optional[str]:
     return sha if isinstance(sha, str) else None
 
 
-def seed_values(runs: Sequence[RunResult], rename: Mapping[str, str] | None = None) -> Dict[Key, Dict[int, float]]:
+def seed_values(runs: Sequence[RunResult], rename: Mapping[str, str] | None = None) -> dict[Key, dict[int, float]]:
     """Per matching key, seed -> value (base2new's ``hm`` left out: it is derived from base and new)."""
     back = {shown: orig for orig, shown in (rename or {}).items()}
-    out: Dict[Key, Dict[int, float]] = defaultdict(dict)
+    out: dict[Key, dict[int, float]] = defaultdict(dict)
     for r in runs:
         head, plus, tail = r.method.partition("+")
         method = back.get(r.method) or back.get(head, head) + plus + tail
@@ -84,7 +84,7 @@ def seed_values(runs: Sequence[RunResult], rename: Mapping[str, str] | None = No
                     test = r.dataset if name == "source" else name
                     out[(r.protocol, method, bb, test, r.shots, "top1", r.dataset)][r.seed] = v
     # Averages over the 11 datasets, per seed, for the seeds that have all 11.
-    groups: Dict[tuple, Dict[str, Dict[int, float]]] = defaultdict(dict)
+    groups: dict[tuple, dict[str, dict[int, float]]] = defaultdict(dict)
     for (protocol, method, bb, ds, shots, metric, train), seeds in out.items():
         if ds in ELEVEN and not train:
             groups[(protocol, method, bb, shots, metric)][ds] = seeds
@@ -98,14 +98,14 @@ def seed_values(runs: Sequence[RunResult], rename: Mapping[str, str] | None = No
     return out
 
 
-def _stats(values: Sequence[float]) -> Tuple[float, Optional[float]]:
+def _stats(values: Sequence[float]) -> tuple[float, Optional[float]]:
     mean = statistics.fmean(values)
     se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
     return mean, se
 
 
 def compare(runs: Sequence[RunResult], rename: Mapping[str, str] | None = None,
-            table: Sequence[PublishedRow] | None = None) -> List[Comparison]:
+            table: Sequence[PublishedRow] | None = None) -> list[Comparison]:
     """Every published row (default: the shipped table) that the runs match, with the runs' mean and the gap."""
     table = shipped_table() if table is None else table
     values = seed_values(runs, rename)

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fewclip.utils.errors import InputError
 from fewclip.data.protocols import PROTOCOLS, TRANSFER_PROTOCOLS
-from fewclip.utils.io import read_json
 from fewclip.runs.records import run_state
+from fewclip.utils.errors import InputError
+from fewclip.utils.io import read_json
 
 logger = logging.getLogger(__name__)
 

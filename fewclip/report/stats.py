@@ -5,12 +5,11 @@ import dataclasses
 import logging
 import math
 import statistics
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from fewclip.data.protocols import PROTOCOLS, base2new_table, harmonic_mean
-
-from fewclip.report.runs import AVERAGE, COST_COLUMNS, FEWSHOT, RunResult, ZEROSHOT
+from fewclip.report.runs import AVERAGE, COST_COLUMNS, FEWSHOT, ZEROSHOT, RunResult
 
 logger = logging.getLogger(__name__)
 

@@ -6,14 +6,25 @@ import io
 import logging
 import math
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from fewclip.data.protocols import PROTOCOLS
-
-from fewclip.report.runs import (AVERAGE, COST_COLUMNS, COST_FIGURE_FILE, CSV_COLUMNS, FEWSHOT, FIGURE_FILE, NA, PROTOCOL_TITLES,
-                   ZEROSHOT, RunResult, SkippedFile)
 from fewclip.report.plan import PlannedRun, unfinished_markdown
+from fewclip.report.runs import (
+    AVERAGE,
+    COST_COLUMNS,
+    COST_FIGURE_FILE,
+    CSV_COLUMNS,
+    FEWSHOT,
+    FIGURE_FILE,
+    NA,
+    PROTOCOL_TITLES,
+    ZEROSHOT,
+    RunResult,
+    SkippedFile,
+)
 from fewclip.report.stats import CellStats, CostStats, ProtocolCell
 
 logger = logging.getLogger(__name__)

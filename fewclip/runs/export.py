@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional, Union
+from typing import Any, Optional, Union
 
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -28,7 +28,7 @@ from fewclip.utils.tensor_checks import check_state_tensors
 @dataclass
 class Exported:
     path: Path
-    meta: Dict[str, Any]
+    meta: dict[str, Any]
     adapter: str = ""
 
     def summary(self) -> str:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 from fewclip.utils.io import atomic_write_json, read_json
 

@@ -36,25 +36,24 @@ import json
 import logging
 import math
 import os
+import shutil
 import socket
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
-from fewclip.utils.errors import NonFiniteError, RunError  # noqa: F401  (re-exported: where runs raise them)
-from omegaconf import OmegaConf
+from typing import Any, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
 
 from fewclip.config.compose import load_yaml
-
 from fewclip.utils.checksums import sha256_bytes, sha256_file, weights_checksum  # noqa: F401  (weights_checksum: re-exported)
+from fewclip.utils.errors import NonFiniteError, RunError  # noqa: F401  (re-exported: where runs raise them)
+from fewclip.utils.io import atomic_write_json, fsync_dir
 from fewclip.utils.locks import LOCK_FILE, LOCK_TIMEOUT_ENV, RunLock, RunLockedError, locked_error  # noqa: F401  (re-exported)
-from omegaconf import DictConfig
 from fewclip.version import __version__
-import shutil
-from fewclip.utils.io import fsync_dir
-from fewclip.utils.io import atomic_write_json
-import torch
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +97,7 @@ def canonical_json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
-def config_dict(cfg: Any) -> Dict[str, Any]:
+def config_dict(cfg: Any) -> dict[str, Any]:
     """A config (dataclass, DictConfig or dict) as a plain dict without ``IGNORED_CONFIG_KEYS``, nor the
     ``LATER_KEY_DEFAULTS`` keys that hold their defaults."""
 
@@ -124,14 +123,14 @@ def config_dict(cfg: Any) -> Dict[str, Any]:
     return d
 
 
-def items_list(items: Sequence[Any]) -> List[List[Any]]:
+def items_list(items: Sequence[Any]) -> list[list[Any]]:
     """Dataset items as [[id, label], ...]."""
     return [[it.id, int(it.label)] for it in items]
 
 
 def data_part(*, dataset: str, classnames: Sequence[str], templates: Sequence[str], test: Sequence[Any],
-              split: Optional[Dict[str, Any]] = None, evals: Optional[Sequence[Dict[str, Any]]] = None
-              ) -> Dict[str, Any]:
+              split: Optional[dict[str, Any]] = None, evals: Optional[Sequence[dict[str, Any]]] = None
+              ) -> dict[str, Any]:
     """The ``data`` part of an identity: names, templates, few-shot split (train/val ids, and the file it was read
     from with its sha256) and test ids; ``evals``:
     a protocol's test sets, each a dict of what it holds (JSON-able; test items under ``"test"``)."""
@@ -152,11 +151,11 @@ class Identity:
     """What a run is: ``digest`` over the parts; ``config`` is kept to explain a change."""
 
     digest: str
-    parts: Dict[str, str]
-    config: Dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    parts: dict[str, str]
+    config: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
 
-def run_identity(cfg: Any, weights: str, data: Dict[str, Any]) -> Identity:
+def run_identity(cfg: Any, weights: str, data: dict[str, Any]) -> Identity:
     """The identity of a run of config ``cfg`` on backbone weights ``weights`` (a :func:`weights_checksum`)
     with the data of :func:`data_part`."""
     conf = config_dict(cfg)
@@ -231,7 +230,7 @@ class RunState:
 
     kind: str
     reason: str = ""
-    metrics: Optional[Dict[str, Any]] = None
+    metrics: Optional[dict[str, Any]] = None
 
     @property
     def finished(self) -> bool:
@@ -247,16 +246,16 @@ def _metrics_digest(metrics: Mapping[str, Any]) -> str:
     return sha256_bytes(canonical_json({k: v for k, v in metrics.items() if k != RECORD_KEY}))
 
 
-def _flat(d: Any, prefix: str = "") -> Dict[str, Any]:
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(d, dict):
         return {prefix: d}
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for k, v in d.items():
         out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
     return out
 
 
-def config_changes(old: Dict[str, Any], new: Dict[str, Any], limit: int = 3) -> str:
+def config_changes(old: dict[str, Any], new: dict[str, Any], limit: int = 3) -> str:
     """``"train.epochs: 1 -> 2, seed: 1 -> 3"``: the keys whose values differ (at most ``limit`` named)."""
     a, b = _flat(old), _flat(new)
     diffs = [f"{k}: {a.get(k, '(unset)')} -> {b.get(k, '(unset)')}" for k in sorted(set(a) | set(b))
@@ -265,7 +264,7 @@ def config_changes(old: Dict[str, Any], new: Dict[str, Any], limit: int = 3) -> 
     return ", ".join(diffs[:limit]) + more
 
 
-def _change_reason(run_dir: Path, record: Dict[str, Any], identity: Identity) -> str:
+def _change_reason(run_dir: Path, record: dict[str, Any], identity: Identity) -> str:
     old = record.get("parts") or {}
     reasons = []
     if old.get("config") != identity.parts["config"]:
@@ -285,7 +284,7 @@ def _change_reason(run_dir: Path, record: Dict[str, Any], identity: Identity) ->
     return "; ".join(reasons) or "identity changed (older record format)"
 
 
-def read_metrics(run_dir: str | os.PathLike) -> Optional[Dict[str, Any]]:
+def read_metrics(run_dir: str | os.PathLike) -> Optional[dict[str, Any]]:
     """``metrics.json`` of a run directory, or None when absent or unreadable."""
     path = Path(run_dir) / METRICS_FILE
     try:
@@ -334,7 +333,7 @@ def is_finished(run_dir: str | os.PathLike, identity: Optional[Identity] = None)
     return run_state(run_dir, identity).finished
 
 
-def make_record(run_dir: Path, metrics: Mapping[str, Any], identity: Identity, files: Sequence[str]) -> Dict[str, Any]:
+def make_record(run_dir: Path, metrics: Mapping[str, Any], identity: Identity, files: Sequence[str]) -> dict[str, Any]:
 
     return {
         "format": RECORD_FORMAT,
@@ -436,7 +435,7 @@ def mark_failed(run_dir: str | os.PathLike, error: BaseException, message: str) 
     return atomic_write_json(run_dir / FAILED_FILE, record)
 
 
-def read_failure(run_dir: str | os.PathLike) -> Optional[Dict[str, Any]]:
+def read_failure(run_dir: str | os.PathLike) -> Optional[dict[str, Any]]:
     """What ``failed.json`` says about the last attempt in ``run_dir``, or None."""
     try:
         data = json.loads((Path(run_dir) / FAILED_FILE).read_text())
@@ -485,15 +484,15 @@ class Run:
     then holds its metrics, and nothing is to be written)."""
 
     def __init__(self, path: Path, identity: Identity, lock: RunLock, done: bool = False,
-                 metrics: Optional[Dict[str, Any]] = None):
+                 metrics: Optional[dict[str, Any]] = None):
         self.path = path
         self.identity = identity
         self.lock = lock
         self.done = done
         self.metrics = metrics
 
-    def finish(self, metrics: Dict[str, Any], files: Sequence[str], tensors: Optional[Mapping[str, Any]] = None
-               ) -> Dict[str, Any]:
+    def finish(self, metrics: dict[str, Any], files: Sequence[str], tensors: Optional[Mapping[str, Any]] = None
+               ) -> dict[str, Any]:
         """Write ``metrics.json`` with the record vouching for ``files`` (already written and fsynced)."""
 
         check_finite(metrics, tensors, run=str(self.path))

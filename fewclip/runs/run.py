@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Optional
 
 import torch
 from omegaconf.errors import OmegaConfBaseException
@@ -36,29 +37,41 @@ from safetensors.torch import save_file
 
 from fewclip.adapter.base import AdapterConfig, adapter_info, build_adapter
 from fewclip.backbones.backbone import Backbone, BackboneConfig, load_backbone
-from fewclip.config.compose import (ConfigError, RunConfig, TrainRunFields, compose, find_yaml, load_yaml, section_name_of,
-                     split_args, to_object, to_yaml, train_base)
-from fewclip.data.class_names import class_keys, plan_identical_prompts, warn_records
-from fewclip.training.cost import RunCost
-from fewclip.utils.errors import describe
+from fewclip.config.compose import (
+    ConfigError,
+    RunConfig,
+    TrainRunFields,
+    compose,
+    find_yaml,
+    load_yaml,
+    section_name_of,
+    split_args,
+    to_object,
+    to_yaml,
+    train_base,
+)
+from fewclip.config.presets import check_test_choice, get_preset, in_effect, method_label, preset_name_of, preset_overrides
 from fewclip.data.base import DataConfig, Dataset, build_dataset, dataset_name
+from fewclip.data.class_names import class_keys, plan_identical_prompts, warn_records
+from fewclip.data.coop_sampler import draw_split
+from fewclip.data.protocols import ProtocolPlan, harmonic_mean, make_plan, write_protocol_split
+from fewclip.data.split_files import split_from_file
+from fewclip.data.splits import TEST_SUBSET_SEED, FewShotSplit, check_val_apart, test_items, write_split
+from fewclip.features.encode import FeatureCache, extract_features
+from fewclip.runs.records import Identity, Run, RunLock, config_dict, data_part, mark_failed, open_run, run_identity, weights_checksum
+from fewclip.training.cost import RunCost
 from fewclip.training.engine import RunFeatures, TrainConfig, evaluate, fit_adapter
 from fewclip.training.evals import score_plan
-from fewclip.utils.explog import check as check_log, logging_run
 from fewclip.training.on_features import backbone_of
-from fewclip.features.encode import FeatureCache, extract_features
-from fewclip.utils.io import atomic_write, atomic_write_text
-from fewclip.config.presets import (check_test_choice, get_preset, in_effect, method_label, preset_name_of,
-                      preset_overrides)
-from fewclip.data.protocols import ProtocolPlan, harmonic_mean, make_plan, write_protocol_split
-from fewclip.runs.records import (Identity, Run, RunLock, config_dict, data_part, mark_failed, open_run, run_identity,
-                      weights_checksum)
-from fewclip.utils.heartbeat import step
-from fewclip.utils.threads import record as thread_record, settle as settle_threads, words as thread_words
 from fewclip.training.transductive import rescore_plan
-from fewclip.data.splits import TEST_SUBSET_SEED, FewShotSplit, check_val_apart, test_items, write_split
-from fewclip.data.split_files import split_from_file
-from fewclip.data.coop_sampler import draw_split
+from fewclip.utils.errors import describe
+from fewclip.utils.explog import check as check_log
+from fewclip.utils.explog import logging_run
+from fewclip.utils.heartbeat import step
+from fewclip.utils.io import atomic_write, atomic_write_text
+from fewclip.utils.threads import record as thread_record
+from fewclip.utils.threads import settle as settle_threads
+from fewclip.utils.threads import words as thread_words
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +118,7 @@ def load_train_config(args: Sequence[str]) -> TrainRunConfig:
     return cfg
 
 
-def preset_defaults(info) -> Dict[str, Any]:
+def preset_defaults(info) -> dict[str, Any]:
     """fewclip's default of every ``adapter.*`` and ``train.*`` field of a method (``info``: its AdapterInfo):
     what its presets are compared with."""
     adapter, train = info.config_cls(), TrainConfig(**info.adapter_cls.train_defaults)
@@ -141,9 +154,9 @@ class RunResources:
     that is a source in one plan and a target in another is one object."""
 
     def __init__(self):
-        self._backbones: Dict[str, Backbone] = {}
-        self._datasets: Dict[str, Dataset] = {}
-        self._plans: Dict[Tuple, ProtocolPlan] = {}
+        self._backbones: dict[str, Backbone] = {}
+        self._datasets: dict[str, Dataset] = {}
+        self._plans: dict[tuple, ProtocolPlan] = {}
 
     def backbone(self, cfg: BackboneConfig) -> Backbone:
         key = to_yaml(cfg)
@@ -168,7 +181,7 @@ class RunResources:
                                          [self.dataset(target_data(cfg.data, t)) for t in cfg.targets])
         return self._plans[key]
 
-    def __call__(self, cfg: RunConfig) -> Tuple[Backbone, ProtocolPlan]:
+    def __call__(self, cfg: RunConfig) -> tuple[Backbone, ProtocolPlan]:
         plan = self.plan(cfg)
         return backbone_of(plan.source, cfg, self.backbone), plan  # a feature file brings its own
 
@@ -185,7 +198,7 @@ def few_shot_split(cfg: TrainRunConfig, plan: ProtocolPlan) -> Optional[FewShotS
                       sampler=cfg.data.sampler)
 
 
-def shots_per_class(split: FewShotSplit, classnames: Sequence[str]) -> Dict[str, int]:
+def shots_per_class(split: FewShotSplit, classnames: Sequence[str]) -> dict[str, int]:
     """The training images each class got in ``split`` (fewer than the shots asked where a class has fewer and
     ``data.allow_fewer_shots`` is set)."""
     keys = class_keys(classnames)  # a repeated name gets its label: no class is merged
@@ -228,7 +241,7 @@ def _load_backbone(cfg: BackboneConfig) -> Backbone:
         return load_backbone(cfg)
 
 
-def _skipped_images(plan: ProtocolPlan) -> Dict[str, Any]:
+def _skipped_images(plan: ProtocolPlan) -> dict[str, Any]:
     """``{"skipped_images": {dataset: [ids]}}`` for the datasets that left out unreadable files, else {}."""
     seen = {}
     for d in (plan.source, plan.train, *(e.dataset for e in plan.evals)):
@@ -240,7 +253,7 @@ def _skipped_images(plan: ProtocolPlan) -> Dict[str, Any]:
 
 def run_train(cfg: TrainRunConfig, out: Path, *, backbone: Optional[Backbone] = None, dataset=None,
               plan: Optional[ProtocolPlan] = None, cache: Optional[FeatureCache] = None, method: Optional[str] = None,
-              lock: Optional[RunLock] = None, overwrite: Optional[bool] = None, report_prompts: bool = True) -> Dict:
+              lock: Optional[RunLock] = None, overwrite: Optional[bool] = None, report_prompts: bool = True) -> dict:
     """Train one adapter on one few-shot split (none for an adapter that trains on nothing) of the protocol
     plan's training dataset and score it on every test set of the plan; ``method`` labels it in metrics.json.
     ``plan`` (or ``dataset``, its source) and ``backbone`` are built from ``cfg`` when not given; ``cache``
@@ -257,7 +270,7 @@ def run_train(cfg: TrainRunConfig, out: Path, *, backbone: Optional[Backbone] = 
 
 
 def _run_train(cfg: TrainRunConfig, out: Path, *, backbone, dataset, plan, cache, method, lock, overwrite,
-               report_prompts) -> Dict:
+               report_prompts) -> dict:
     check_log(cfg.log)  # a missing logging library fails before any work
     if plan is None:
         log.info("reading the dataset %s (%s protocol)", dataset_name(cfg.data), cfg.protocol)
@@ -291,7 +304,7 @@ def _run_train(cfg: TrainRunConfig, out: Path, *, backbone, dataset, plan, cache
 
 
 def _train(run: Run, cfg: TrainRunConfig, out: Path, backbone: Backbone, plan: ProtocolPlan,
-           cache: Optional[FeatureCache], split, method: Optional[str], same_prompts=()) -> Dict:
+           cache: Optional[FeatureCache], split, method: Optional[str], same_prompts=()) -> dict:
     atomic_write_text(out / "config.yaml", to_yaml(cfg))
     cost = RunCost(backbone.device)  # from here: the backbone and datasets are shared by a sweep's runs
     files = ["config.yaml"]
@@ -371,7 +384,7 @@ def _train(run: Run, cfg: TrainRunConfig, out: Path, backbone: Backbone, plan: P
 
 
 def score_zeroshot(backbone: Backbone, dataset: Dataset, *, templates: str = "single", batch_size: int = 256,
-                   workers: int = 0, max_test: Optional[int] = None) -> Dict:
+                   workers: int = 0, max_test: Optional[int] = None) -> dict:
     """Zero-shot top-1 without a run directory: the registered ``zeroshot`` adapter scored on the test images
     every run is scored on (``test_items``), by the engine's ``evaluate``, as in ``run_train``."""
     info = adapter_info("zeroshot")

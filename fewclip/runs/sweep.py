@@ -11,31 +11,31 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
-
+from typing import Any, Optional
 
 from fewclip.adapter.base import adapter_info
-from fewclip.data.class_names import plan_identical_prompts, warn_records
 from fewclip.config.compose import ConfigError, section_name_of, to_yaml
 from fewclip.config.dataset_entries import sweep_datasets
+from fewclip.config.presets import FEWCLIP, method_label, parse_label, preset_name_of
+from fewclip.config.sweep import SweepConfig, SweepSpec, compose_sweep_config  # noqa: F401  (re-exported)
 from fewclip.data.base import DatasetError
-from fewclip.utils.errors import FewclipError
+from fewclip.data.class_names import plan_identical_prompts, warn_records
 from fewclip.data.image_check import SWEEP_CHECK_MAX, describe_bad, find_bad_images, n_images
-from fewclip.utils.explog import check as check_log
-from fewclip.utils.io import atomic_write_text
+from fewclip.features.store import store_setting
 from fewclip.runs.launch import LAUNCHERS, check_launcher, launch
 from fewclip.runs.launch.worker import RunSpec, WorkerContext
+from fewclip.runs.plan import new_plan, plan_folder, record_failures, write_plan
+from fewclip.runs.records import Identity, RunState, prepare_dir, remove_leftovers, run_state, tidy
+from fewclip.runs.run import adapter_name_of, few_shot_split, load_train_config, run_identity_of
+from fewclip.utils.errors import FewclipError
+from fewclip.utils.explog import check as check_log
+from fewclip.utils.io import atomic_write_text
 from fewclip.utils.locks import RunLock
 from fewclip.utils.progress import progress
-from fewclip.runs.records import Identity, RunState, prepare_dir, remove_leftovers, run_state, tidy
-from fewclip.runs.plan import new_plan, plan_folder, record_failures, write_plan
-from fewclip.config.presets import FEWCLIP, method_label, parse_label, preset_name_of
-from fewclip.runs.run import adapter_name_of, few_shot_split, load_train_config, run_identity_of
-from fewclip.features.store import store_setting
-from fewclip.config.sweep import SweepConfig, SweepSpec, compose_sweep_config  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", base)
 
 
-def plan_sweep(spec: SweepSpec) -> List[Dict[str, Any]]:
+def plan_sweep(spec: SweepSpec) -> list[dict[str, Any]]:
     """Every run of the sweep as {protocol, backbone, dataset, method, shots, seed, args, dir}. A few-shot run's
     dir is ``<backbone>/<dataset>/<method>/<k>shot/seed<s>``; another protocol's is the same under
     ``<protocol>/``."""
@@ -114,13 +114,13 @@ def _method_args(spec: SweepSpec, method: str, base: Sequence[str]):
 class _Planned:
     """One run of a sweep with its parsed config, identity and what its directory held when planned."""
 
-    run: Dict[str, Any]
+    run: dict[str, Any]
     cfg: Any
     identity: Identity
     state: RunState
 
 
-def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, Any]:
+def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> dict[str, Any]:
     """Run every planned run that is not finished with its current identity; returns counts (and
     ``failures``: the ``fewclip.runs.launch.worker.RunResult`` of each failed run).
 
@@ -155,7 +155,7 @@ def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, Any
     resources = context.resources
 
     plans, protocol_plans = [], {}
-    same_prompts: Dict[str, List[str]] = {}  # classes sharing a prompt -> the backbones they do with
+    same_prompts: dict[str, list[str]] = {}  # classes sharing a prompt -> the backbones they do with
     checked = set()  # (backbone, test sets, templates) already checked: once each, not once per run
     for r, c in progress(list(zip(runs, parsed)), desc="sweep: planning", unit="run", leave=False):
         try:
@@ -190,7 +190,7 @@ def run_sweep(cfg: SweepConfig, out: Path, poll_s: float = 1.0) -> Dict[str, Any
     counts = {"planned": len(runs), "done_before": len(runs) - len(todo), "ran": 0, "rerun": 0, "by_others": 0,
               "failed": 0, "replaced": 0}
     log.info("sweep: %d runs planned, %d already finished, %d to run", len(runs), counts["done_before"], len(todo))
-    reasons: Dict[str, int] = {}
+    reasons: dict[str, int] = {}
     for p in todo:
         if p.state.holds_results:
             reasons[p.state.reason] = reasons.get(p.state.reason, 0) + 1
@@ -250,7 +250,7 @@ def _spec(p: _Planned, out: Path, cfg: SweepConfig, store: Optional[str]):
                    trains_image_tower=bool(trains), log=cfg.log)
 
 
-def _in_run(e: Exception, r: Dict[str, Any]) -> Exception:
+def _in_run(e: Exception, r: dict[str, Any]) -> Exception:
     """The same error with the run named in its message."""
     try:
         return type(e)(f"sweep run {r['dir']}: {e}")

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Optional
 
 import torch
 
@@ -37,7 +38,7 @@ COMPILE_WORTH_S = 60.0  # auto: compile only when the run's eager steps take at 
 TIMED_STEPS = 3
 BACKEND = "inductor"  # torch.compile's backend (a test may use "aot_eager": the same capture, no code generation)
 
-_CHOICES: Dict[Tuple, bool] = {}  # (what, key...) -> measured choice, for this process
+_CHOICES: dict[tuple, bool] = {}  # (what, key...) -> measured choice, for this process
 
 
 @dataclass
@@ -46,10 +47,10 @@ class StepPlan:
 
     compiled: bool = False
     fused: bool = False
-    reasons: List[str] = field(default_factory=list)
-    timings: Dict[str, float] = field(default_factory=dict)
+    reasons: list[str] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)
 
-    def record(self) -> Dict[str, Any]:
+    def record(self) -> dict[str, Any]:
         return {"compiled_text_step": self.compiled, "fused_optimizer": self.fused, "why": list(self.reasons),
                 **({"timings_s": {k: round(v, 6) for k, v in self.timings.items()}} if self.timings else {})}
 
@@ -118,7 +119,7 @@ def is_compiled(adapter) -> bool:
 # ---------------------------------------------------------------------------
 
 
-def fused_supported(make: Callable[..., torch.optim.Optimizer], params: List[torch.Tensor]) -> bool:
+def fused_supported(make: Callable[..., torch.optim.Optimizer], params: list[torch.Tensor]) -> bool:
     """Whether torch has a fused kernel for this optimiser on these parameters' device and dtype."""
     try:
         make([p.detach().clone().requires_grad_(True) for p in params[:1]], fused=True)
@@ -127,7 +128,7 @@ def fused_supported(make: Callable[..., torch.optim.Optimizer], params: List[tor
         return False
 
 
-def _time_optimizer(make, params: List[torch.Tensor], fused: bool, device: torch.device) -> float:
+def _time_optimizer(make, params: list[torch.Tensor], fused: bool, device: torch.device) -> float:
     copies = [p.detach().clone().requires_grad_(True) for p in params]
     gen = torch.Generator(device="cpu").manual_seed(0)
     for c in copies:
@@ -141,7 +142,7 @@ def _time_optimizer(make, params: List[torch.Tensor], fused: bool, device: torch
 # ---------------------------------------------------------------------------
 
 
-def _shape_key(adapter) -> Tuple:
+def _shape_key(adapter) -> tuple:
     return tuple((k, tuple(t.shape), str(t.dtype)) for k, t in
                  list(adapter.named_parameters()) + list(adapter.named_buffers()))
 
@@ -158,7 +159,7 @@ class StepTuner:
 
     WARMUP, TIMED = 1, TIMED_STEPS
 
-    def __init__(self, adapter, params: List[torch.Tensor], mode: str,
+    def __init__(self, adapter, params: list[torch.Tensor], mode: str,
                  make_optimizer: Callable[..., torch.optim.Optimizer], total_steps: int, precision: str,
                  backend: Optional[str] = None):
         if mode not in COMPILE_MODES:
@@ -262,13 +263,13 @@ class StepTuner:
     def close(self) -> None:
         uncompile_text_step(self.adapter)
 
-    def __enter__(self) -> "StepTuner":
+    def __enter__(self) -> StepTuner:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def record(self) -> Optional[Dict[str, Any]]:
+    def record(self) -> Optional[dict[str, Any]]:
         """What to record in the run's training info: None when nothing was compiled, fused or measured."""
         p = self.plan
         return p.record() if (p.compiled or p.fused or p.timings) else None

@@ -29,7 +29,7 @@ import gc
 import resource
 import sys
 import time
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 
@@ -103,7 +103,7 @@ class RunCost:
         self.images_encoded_shared += int(used) - int(encoded)
         self.images_from_store += int(from_store)
 
-    def record(self, trainable_parameters: int) -> Dict:
+    def record(self, trainable_parameters: int) -> dict:
         cuda = self.device.type == "cuda"
         return {
             "wall_time_s": round(time.perf_counter() - self._t0, 3),

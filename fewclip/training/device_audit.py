@@ -29,13 +29,18 @@ from __future__ import annotations
 
 import os
 import traceback
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import (  # private: see the module docstring
-    DataDependentOutputException, FakeTensor, FakeTensorMode, unset_fake_temporarily)  # noqa: F401  (the first: for callers)
+    DataDependentOutputException,  # noqa: F401  (the first: for callers)
+    FakeTensor,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # fewclip/
@@ -75,7 +80,7 @@ def culprit() -> str:
     return "(no frame outside torch)"
 
 
-def _tensors(tree: Any) -> List[torch.Tensor]:
+def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
@@ -197,7 +202,7 @@ class FakeDevice:
             self.device = torch.device("cuda", 0)
         self.mode = fake_mode()
 
-    def __enter__(self) -> "FakeDevice":
+    def __enter__(self) -> FakeDevice:
         self._moves = _module_moves_out_of_place()
         self._moves.__enter__()
         self.mode.__enter__()

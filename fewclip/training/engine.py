@@ -38,19 +38,20 @@ import copy
 import logging
 import math
 import time
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Optional
 
 import torch
 
+from fewclip.config.sections import AMP_MODES, OPTIMIZERS, TrainConfig  # noqa: F401  (re-exported: the train section)
+from fewclip.features.encode import Augment, FeatureCache, Features, View, accuracy, extract_features, progress
 from fewclip.training.compiled import StepTuner
 from fewclip.training.cost import RunCost
-from fewclip.utils.explog import current as experiment_log
-from fewclip.features.encode import Augment, FeatureCache, Features, View, accuracy, extract_features, progress
 from fewclip.utils.errors import NonFiniteError
+from fewclip.utils.explog import current as experiment_log
 from fewclip.utils.rng import forked_global_rng
-from fewclip.config.sections import AMP_MODES, OPTIMIZERS, TrainConfig  # noqa: F401  (re-exported: the train section)
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ def amp_autocast(device: torch.device, amp: str):
 
 @torch.no_grad()
 def evaluate(adapter, feats: torch.Tensor, labels: torch.Tensor, classnames, batch_size: int = 4096,
-             amp: str = "none") -> Dict:
+             amp: str = "none") -> dict:
     device = adapter.backbone.device
     outs = []
     with amp_autocast(device, amp):
@@ -184,11 +185,11 @@ class FreshImages(FeatureSource):
     at every step: by the frozen tower (the faithful mode, in the backbone's precision, no gradients) or by the
     adapter's own image tower (with gradients, under the step's autocast)."""
 
-    def __init__(self, run: "RunFeatures"):
+    def __init__(self, run: RunFeatures):
         self.run = run
         self.labels = torch.tensor([it.label for it in run.split.train], dtype=torch.long)
         self.plain = None if run.cfg.augment else run.backbone.preprocess()
-        self._frozen: Tuple[int, Optional[torch.Tensor]] = (-1, None)
+        self._frozen: tuple[int, Optional[torch.Tensor]] = (-1, None)
 
     def batch(self, epoch: int, idx: torch.Tensor) -> torch.Tensor:
         run = self.run
@@ -220,7 +221,7 @@ class FitData:
     training settings."""
 
     train: Features  # the un-augmented training images [N, D], labels [N]
-    views: List[Features]  # adapter.fit_views() augmented views of the same images, in the same order
+    views: list[Features]  # adapter.fit_views() augmented views of the same images, in the same order
     val: Features  # the validation images ([0, D] when the split has none)
     cfg: TrainConfig  # the run's train section (the adapter's train_defaults, then the user's overrides)
     shots: int
@@ -279,7 +280,7 @@ class RunFeatures:
         self.cost.count_images(len(self.split.train), got.encoded, got.from_store)
         return got.features
 
-    def train_views(self, k: int) -> List[Features]:
+    def train_views(self, k: int) -> list[Features]:
         """Views 0 .. k-1 of the training images."""
         return [self._encode(self.split.train, self.view(i), f"train view {i + 1}/{k}") for i in range(k)]
 
@@ -327,7 +328,7 @@ class RunFeatures:
 # ---------------------------------------------------------------------------
 
 
-def schedule(cfg: TrainConfig, shots: int, n: int) -> Tuple[int, int, int, int]:
+def schedule(cfg: TrainConfig, shots: int, n: int) -> tuple[int, int, int, int]:
     """(steps per epoch, total steps, epochs, warm-up steps) of the loop on ``n`` training images."""
     per_epoch = math.ceil(n / cfg.batch_size)
     total = total_steps(cfg, shots, per_epoch)
@@ -335,7 +336,7 @@ def schedule(cfg: TrainConfig, shots: int, n: int) -> Tuple[int, int, int, int]:
     return per_epoch, total, epochs, min(cfg.warmup_epochs * per_epoch, total)
 
 
-def train_loop(adapter, source: FeatureSource, cfg: TrainConfig, shots: int, generator: torch.Generator) -> Dict:
+def train_loop(adapter, source: FeatureSource, cfg: TrainConfig, shots: int, generator: torch.Generator) -> dict:
     """The gradient loop: the adapter's ``training_loss`` (cross-entropy by default) on ``source``'s batches,
     its ``backward``, ``make_optimizer``, CoOp's cosine schedule, ``on_epoch_end`` after each epoch;
     ``train.select=val`` keeps the epoch with the best validation accuracy. Batch order comes from ``generator``;
@@ -431,7 +432,7 @@ def train_loop(adapter, source: FeatureSource, cfg: TrainConfig, shots: int, gen
     return info
 
 
-def fit_adapter(adapter, run: RunFeatures, cfg: TrainConfig, *, shots: int, generator: torch.Generator) -> Dict:
+def fit_adapter(adapter, run: RunFeatures, cfg: TrainConfig, *, shots: int, generator: torch.Generator) -> dict:
     """Train ``adapter`` the way its ``trained_by`` says, on what ``run`` encodes; returns training info.
     The training itself (not the frozen tower's features it starts from) is timed into ``run.cost``."""
     if adapter.trained_by is None:

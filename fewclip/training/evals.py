@@ -31,12 +31,12 @@ adapter's own adapted image tower.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from fewclip.data.protocols import EvalSet, ProtocolPlan, harmonic_mean, restrict_logits
-
-from fewclip.training.engine import RunFeatures, evaluate
 from fewclip.data.splits import test_items
+from fewclip.training.engine import RunFeatures, evaluate
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class RestrictedLogits:
 
 
 def scorer_for(adapter, eval_set: EvalSet, templates: Sequence[str], trained_on: bool = True
-               ) -> Tuple[Optional[Any], Optional[str], str]:
+               ) -> tuple[Optional[Any], Optional[str], str]:
     """``(scorer, scored_by, reason)``: what scores ``eval_set`` (called on raw image features [B, D], giving
     logits over the test set's classes in its label order) and how (one of ``SCORED_BY``). ``scorer`` is None
     where the adapter cannot score these classes, and ``reason`` then says why. ``trained_on``: whether the
@@ -80,16 +80,16 @@ def scorer_for(adapter, eval_set: EvalSet, templates: Sequence[str], trained_on:
 
 def score_plan(adapter, plan: ProtocolPlan, *, templates: str, max_test: Optional[int], train_cfg, seed: int,
                cache=None, cost=None, batch_size: int = 256, workers: int = 0, amp: str = "none"
-               ) -> Dict[str, Dict[str, Any]]:
+               ) -> dict[str, dict[str, Any]]:
     """Every test set of ``plan`` scored by the trained ``adapter``, in the plan's order: ``{name: {top1,
     per_class, n_test, dataset, view, n_classes, templates, scored_by[, reason]}}``; ``top1`` and
     ``per_class`` are None (and ``reason`` says why) where the adapter cannot score the test set's classes.
     ``templates`` is the run's ``data.templates`` mode, applied to each test set's own dataset."""
-    out: Dict[str, Dict[str, Any]] = {}
+    out: dict[str, dict[str, Any]] = {}
     for e in plan.evals:
         prompts = e.dataset.prompts(templates)
         items = test_items(e.dataset, max_test)
-        entry: Dict[str, Any] = {"dataset": e.source_dataset, "view": e.dataset.name,
+        entry: dict[str, Any] = {"dataset": e.source_dataset, "view": e.dataset.name,
                                  "n_classes": len(e.dataset.classnames), "templates": list(prompts)}
         scorer, how, reason = scorer_for(adapter, e, prompts, trained_on=e.dataset is plan.train)
         if scorer is None:
@@ -104,7 +104,7 @@ def score_plan(adapter, plan: ProtocolPlan, *, templates: str, max_test: Optiona
     return out
 
 
-def target_names(evals: Dict[str, Any]) -> List[str]:
+def target_names(evals: dict[str, Any]) -> list[str]:
     """The targets of a transfer protocol's test sets (every one but ``source``), in order."""
     return [k for k in evals if k != "source"]
 
@@ -113,7 +113,7 @@ def _pct(x: Optional[float]) -> str:
     return "n/a" if x is None else f"{x:.2f}%"
 
 
-def describe_evals(protocol: str, evals: Dict[str, Dict[str, Any]]) -> str:
+def describe_evals(protocol: str, evals: dict[str, dict[str, Any]]) -> str:
     """A run's accuracies in one line: base, new and H; or the source, each target and their average."""
     top1 = {k: v["top1"] for k, v in evals.items()}
     if protocol == "base2new":

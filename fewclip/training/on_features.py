@@ -17,25 +17,31 @@ such a dataset brings instead of loading ``backbone=``.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
 
 from fewclip.adapter.base import ADAPTERS, AdapterConfig, AdapterError, adapter_info, build_adapter
-from fewclip.data.base import Item
-from fewclip.data.splits import FewShotSplit
-from fewclip.features.feature_file import (FeatureDataset, backbone_from_export,  # noqa: F401
-                                           dataset_backbone, export_backbone, feature_backbone, read_feature_file)
-
-from fewclip.version import __version__
-from fewclip.training.engine import RunFeatures, TrainConfig, fit_adapter
 from fewclip.adapter.exports import ExportError, backbone_metadata
 from fewclip.backbones.feature_backbone import FeatureBackbone, TowerMissing, content_sha256
 from fewclip.backbones.geometry import Geometry, make_geometry
+from fewclip.data.base import Item
+from fewclip.data.splits import FewShotSplit
+from fewclip.features.feature_file import (  # noqa: F401
+    FeatureDataset,
+    backbone_from_export,
+    dataset_backbone,
+    export_backbone,
+    feature_backbone,
+    read_feature_file,
+)
+from fewclip.training.engine import RunFeatures, TrainConfig, fit_adapter
+from fewclip.version import __version__
 
-Pair = Tuple[Tensor, Tensor]
+Pair = tuple[Tensor, Tensor]
 
 
 # ---------------------------------------------------------------------------
@@ -43,7 +49,7 @@ Pair = Tuple[Tensor, Tensor]
 # ---------------------------------------------------------------------------
 
 
-def _geometry(geometry: Union[Geometry, str, Dict[str, Any]]) -> Geometry:
+def _geometry(geometry: Union[Geometry, str, dict[str, Any]]) -> Geometry:
     if isinstance(geometry, Geometry):
         return geometry
     if isinstance(geometry, str):
@@ -56,7 +62,7 @@ class FeatureClassifier:
     ``export(path)`` in the method's export format (loadable with ``fewclip.load_prompts(path,
     backbone=clf.backbone)``)."""
 
-    def __init__(self, adapter, backbone: FeatureBackbone, info: Dict[str, Any]):
+    def __init__(self, adapter, backbone: FeatureBackbone, info: dict[str, Any]):
         self.adapter = adapter.eval()
         self.backbone = backbone
         self.info = info
@@ -73,10 +79,10 @@ class FeatureClassifier:
     def probs(self, x: Tensor) -> Tensor:
         return torch.softmax(self.logits(x), dim=-1)
 
-    def predict(self, x: Tensor) -> List[str]:
+    def predict(self, x: Tensor) -> list[str]:
         return [self.classnames[i] for i in self.logits(x).argmax(-1).tolist()]
 
-    def export(self, path, **options) -> Dict[str, Any]:
+    def export(self, path, **options) -> dict[str, Any]:
         """Write the method's export (``fewclip export``'s format for it); returns the metadata written."""
         fmt = adapter_info(self.adapter.name).export
         if fmt is None:
@@ -88,9 +94,9 @@ class FeatureClassifier:
 
 
 def fit_features(method: str, train_x: Tensor, train_y: Tensor, classnames: Sequence[str], text: Tensor,
-                 geometry: Union[Geometry, str, Dict[str, Any]], *, val: Optional[Pair] = None,
+                 geometry: Union[Geometry, str, dict[str, Any]], *, val: Optional[Pair] = None,
                  templates: Sequence[str] = ("{}",), view_features: Optional[Tensor] = None, seed: int = 1,
-                 train: Optional[Dict[str, Any]] = None, **options: Any) -> FeatureClassifier:
+                 train: Optional[dict[str, Any]] = None, **options: Any) -> FeatureClassifier:
     """Fit ``method`` (a registered name) on raw image features ``train_x`` [N, D] with labels ``train_y`` [N];
     ``text`` [C, D] or [C, T, D] are the raw text features of ``templates`` filled with ``classnames`` (for the
     clip geometry, the class prototypes themselves do); ``geometry`` a ``Geometry``, a name or ``{"name",
@@ -136,7 +142,7 @@ def fit_features(method: str, train_x: Tensor, train_y: Tensor, classnames: Sequ
     return FeatureClassifier(adapter, backbone, {"shots": shots, "seed": seed, **fitted})
 
 
-def read_features(path) -> Dict[str, Any]:
+def read_features(path) -> dict[str, Any]:
     """A feature file's content as tensors and names (``train``, ``val``, ``test`` pairs; ``classnames``,
     ``templates``, ``text``, ``geometry``), e.g. to pass to :func:`fit_features`."""
     ff = read_feature_file(path)
@@ -160,7 +166,7 @@ def check_runs_on_features(cfg: AdapterConfig, backbone: FeatureBackbone) -> Non
                            f"run on features: {', '.join(feature_methods(backbone))}") from None
 
 
-def feature_methods(backbone: FeatureBackbone) -> List[str]:
+def feature_methods(backbone: FeatureBackbone) -> list[str]:
     """The registered methods that build on a feature backbone (with their default config)."""
     ok = []
     for name, info in sorted(ADAPTERS.items()):

@@ -45,18 +45,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fewclip.backbones.geometry import Geometry
+from fewclip.data.splits import test_items
+from fewclip.features.encode import accuracy
 from fewclip.training.engine import RunFeatures, amp_autocast
 from fewclip.training.evals import scorer_for
-from fewclip.features.encode import accuracy
-from fewclip.backbones.geometry import Geometry
 from fewclip.utils.errors import NonFiniteError
-from fewclip.data.splits import test_items
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ class TransCLIPResult(NamedTuple):
     probs: Tensor  # [Q, K] class probabilities of the test images (the selected gamma's)
     gamma: float  # the gamma used (0 without a support set)
     val_acc: Optional[float]  # validation accuracy of that gamma, percent (None without a support set)
-    per_gamma: List[Tensor]  # [Q, K] assignments at the end of each gamma, in order
+    per_gamma: list[Tensor]  # [Q, K] assignments at the end of each gamma, in order
 
 
 def _renorm(geometry: Geometry, v: Tensor) -> Tensor:
@@ -227,9 +228,9 @@ def check_mode(mode: str) -> str:
 
 
 @torch.no_grad()
-def rescore_plan(mode: str, adapter, plan, evals: Dict[str, Dict[str, Any]], *, templates: str,
+def rescore_plan(mode: str, adapter, plan, evals: dict[str, dict[str, Any]], *, templates: str,
                  max_test: Optional[int], train_cfg, seed: int, cache=None, cost=None, batch_size: int = 256,
-                 workers: int = 0, amp: str = "none") -> Dict[str, Any]:
+                 workers: int = 0, amp: str = "none") -> dict[str, Any]:
     """Every test set of ``plan`` that ``evals`` (``fewclip.training.evals.score_plan``'s result) scored, scored a second
     time with ``mode`` on top of the adapter's logits, using that test set's features (read again through the
     run's feature cache, so nothing is encoded twice for a frozen image tower). Adds ``top1_<mode>`` and

@@ -34,7 +34,7 @@ def state_sha256(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-_STATE_SHA: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_STATE_SHA: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def weights_checksum(backbone) -> str:

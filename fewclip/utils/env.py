@@ -6,7 +6,6 @@ here, so a variable cannot be read under two spellings or go unlisted.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
 
 
 @dataclass(frozen=True)
@@ -21,7 +20,7 @@ DEBUG = "FEWCLIP_DEBUG"
 LOCK_TIMEOUT_S = "FEWCLIP_LOCK_TIMEOUT_S"
 PROGRESS_EVERY_S = "FEWCLIP_PROGRESS_EVERY_S"
 
-VARIABLES: Tuple[EnvVar, ...] = (
+VARIABLES: tuple[EnvVar, ...] = (
     EnvVar(CACHE, "the feature store's folder, or off (default ~/.cache/fewclip/features; feature_store= wins)"),
     EnvVar(CACHE_VERIFY, "how the store checks image files before serving their features: stat (size and time, "
                          "default) or hash (their contents)"),

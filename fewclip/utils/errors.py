@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import List, Sequence, Tuple
+from collections.abc import Sequence
+
 from fewclip.utils import env
 
 DEBUG_ENV = env.DEBUG
@@ -44,7 +45,7 @@ class NonFiniteError(RunError):
     """A NaN or infinite loss, metric or adapter tensor."""
 
 
-def take_debug_flag(args: Sequence[str]) -> Tuple[bool, List[str]]:
+def take_debug_flag(args: Sequence[str]) -> tuple[bool, list[str]]:
     """(debug requested, the arguments without ``--debug``)."""
     rest = [a for a in args if a != DEBUG_FLAG]
     env = os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
@@ -80,7 +81,7 @@ def os_error_message(e: OSError) -> str:
     return f"{e.strerror or e}{':' + at if at else ''}"
 
 
-def describe(e: BaseException) -> Tuple[str, int]:
+def describe(e: BaseException) -> tuple[str, int]:
     """(message, exit code) for an error that ended a command."""
     if isinstance(e, FewclipError):
         return str(e), e.exit_code

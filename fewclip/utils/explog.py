@@ -42,10 +42,11 @@ import logging
 import math
 import netrc
 import os
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence
+from typing import Any, Optional
 from urllib.parse import urlparse
 
 from fewclip.utils.errors import InputError
@@ -73,7 +74,7 @@ class WandbConfig:
         "$WANDB_MODE if set, else online with W&B credentials (WANDB_API_KEY or `wandb login`), else offline.")})
     project: str = field(default="fewclip", metadata={"help": "The W&B project."})
     entity: Optional[str] = field(default=None, metadata={"help": "The W&B entity (user or team); null: W&B's default."})
-    tags: List[str] = field(default_factory=list, metadata={"help": "Tags of the W&B run."})
+    tags: list[str] = field(default_factory=list, metadata={"help": "Tags of the W&B run."})
     init_timeout_s: float = field(default=30.0, metadata={"help": (
         "Online mode: seconds to wait for the server when the run starts; past it the run goes on unlogged.")})
 
@@ -90,7 +91,7 @@ class LogConfig:
     """The ``log`` section: where a run's curves and results are logged (``log=tensorboard`` is short for
     ``log.backends=[tensorboard]``)."""
 
-    backends: List[str] = field(default_factory=list, metadata={"help": (
+    backends: list[str] = field(default_factory=list, metadata={"help": (
         "tensorboard, wandb, both ([tensorboard,wandb]) or none ([]): `log=tensorboard` is short for "
         "log.backends=[tensorboard]. Each needs its extra: pip install \"fewclip[tensorboard]\" / \"fewclip[wandb]\".")})
     dir: Optional[str] = field(default=None, metadata={"help": (
@@ -167,10 +168,10 @@ def wandb_mode(cfg: WandbConfig, environ: Mapping[str, str] = os.environ) -> str
     return "online" if wandb_logged_in(environ) else "offline"
 
 
-def final_scalars(metrics: Mapping[str, Any]) -> Dict[str, float]:
+def final_scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
     """Every number of a run's ``metrics.json`` as ``final/<key>`` (``final/evals/<test set>/<key>`` for a
     protocol's test sets); not the per-class tables, curves, record or backbone description."""
-    out: Dict[str, float] = {}
+    out: dict[str, float] = {}
 
     def add(prefix: str, d: Mapping[str, Any]) -> None:
         for k, v in d.items():
@@ -345,7 +346,7 @@ def open_backends(cfg: LogConfig, out: Path, config: Mapping[str, Any], config_y
     """An ExpLogger with every backend of ``cfg`` that opens; one that fails is a warning and left out."""
     base = Path(cfg.dir) if cfg.dir else Path(out)
     name = cfg.name or Path(out).resolve().name
-    backends: List[Backend] = []
+    backends: list[Backend] = []
     for b in cfg.backends:
         try:
             if b == "tensorboard":

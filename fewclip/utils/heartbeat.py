@@ -19,8 +19,10 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, List, Optional
+from typing import Optional
+
 from fewclip.utils import env
 
 log = logging.getLogger("fewclip.utils.heartbeat")
@@ -46,7 +48,7 @@ class _Step:
 class _Stamp(logging.Handler):
     """On the ``fewclip`` logger: notes the time of every line written, so the heartbeat speaks only into silence."""
 
-    def __init__(self, beat: "Heartbeat"):
+    def __init__(self, beat: Heartbeat):
         super().__init__(level=logging.NOTSET)
         self.beat = beat
 
@@ -58,7 +60,7 @@ class Heartbeat:
     """The process's heartbeat: a stack of steps under way and a thread that speaks when the log is silent."""
 
     def __init__(self):
-        self.steps: List[_Step] = []
+        self.steps: list[_Step] = []
         self.lock = threading.Lock()
         self.last_line = time.monotonic()
         self.thread: Optional[threading.Thread] = None

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from fewclip.utils.errors import RunFailure
 from fewclip.utils import env
+from fewclip.utils.errors import RunFailure
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +273,7 @@ class RunLock:
                 pass
         self.token = None
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         if not self.try_acquire():
             raise locked_error(self.folder, self.blocked_by)
         return self

@@ -17,8 +17,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Iterator
 from importlib.util import find_spec
-from typing import Iterator
 
 THIRD_PARTY_LEVEL = logging.WARNING
 

@@ -15,8 +15,10 @@ import time
 
 from tqdm.auto import tqdm
 
-from fewclip.utils.heartbeat import EVERY_ENV, LINE_EVERY_S, duration as _duration, line_every  # noqa: F401 (also here)
-from fewclip.utils.heartbeat import begin as begin_step, end as end_step, line_due
+from fewclip.utils.heartbeat import EVERY_ENV, LINE_EVERY_S, line_due, line_every  # noqa: F401 (also here)
+from fewclip.utils.heartbeat import begin as begin_step
+from fewclip.utils.heartbeat import duration as _duration
+from fewclip.utils.heartbeat import end as end_step
 
 log = logging.getLogger("fewclip.utils.progress")
 

@@ -23,7 +23,8 @@ import difflib
 import importlib
 import importlib.metadata
 import logging
-from typing import Callable, Dict, Generic, Iterator, List, Optional, Tuple, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Generic, Optional, TypeVar
 
 from fewclip.utils.errors import InputError
 
@@ -58,8 +59,8 @@ class Registry(Generic[T]):
     def __init__(self, kind: str, group: str, *, key: str = "", listing: str = "", lowercase: bool = True):
         self.kind, self.group, self.key, self.listing = kind, group, key, listing
         self.lowercase = lowercase
-        self._items: Dict[str, T] = {}
-        self._sources: Dict[str, str] = {}
+        self._items: dict[str, T] = {}
+        self._sources: dict[str, str] = {}
         self._loaded = False
         self._loading = False
 
@@ -154,12 +155,12 @@ class Registry(Generic[T]):
         self.load()
         return len(self._items)
 
-    def names(self, where: Optional[Callable[[T], bool]] = None) -> List[str]:
+    def names(self, where: Optional[Callable[[T], bool]] = None) -> list[str]:
         """Sorted names, those whose object satisfies ``where`` if given."""
         self.load()
         return sorted(n for n, o in self._items.items() if where is None or where(o))
 
-    def items(self) -> List[Tuple[str, T]]:
+    def items(self) -> list[tuple[str, T]]:
         self.load()
         return sorted(self._items.items())
 
@@ -168,7 +169,7 @@ class Registry(Generic[T]):
         self.get(name)
         return self._sources[name]
 
-    def values(self) -> List[T]:
+    def values(self) -> list[T]:
         return [o for _, o in self.items()]
 
 

@@ -8,8 +8,9 @@ restored afterwards, so callers never need to guard against fewclip moving it.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator, Union
+from typing import Union
 
 import torch
 

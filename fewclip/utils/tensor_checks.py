@@ -17,7 +17,8 @@ exit code; what a tensor must be is decided here once:
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, Mapping, Optional, Sequence, Type, Union
+from collections.abc import Mapping, Sequence
+from typing import Optional, Union
 
 import torch
 
@@ -53,14 +54,14 @@ def tensor_problem(t, name: str, *, kind: str = FLOAT, shape: Optional[Sequence[
     return None
 
 
-def check_tensor(t, name: str, where: str, error: Type[Exception] = ValueError, fix: str = "", **spec) -> None:
+def check_tensor(t, name: str, where: str, error: type[Exception] = ValueError, fix: str = "", **spec) -> None:
     """Raise ``error(f"{where}: {problem}{fix}")`` where ``tensor_problem`` finds one."""
     problem = tensor_problem(t, name, **spec)
     if problem:
         raise error(f"{where}: {problem}{fix}")
 
 
-def check_tensors(tensors: Mapping[str, torch.Tensor], where: str, error: Type[Exception] = ValueError,
+def check_tensors(tensors: Mapping[str, torch.Tensor], where: str, error: type[Exception] = ValueError,
                   fix: str = "") -> None:
     """Every tensor of a file: a tensor, finite where floating point (no dtype or shape asked)."""
     for name, t in tensors.items():
@@ -68,7 +69,7 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], where: str, error: Type[E
 
 
 def check_state_tensors(tensors: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor], where: str,
-                        error: Type[Exception] = ValueError, fix: str = "") -> None:
+                        error: type[Exception] = ValueError, fix: str = "") -> None:
     """``tensors`` (read from a file) against ``reference`` (the module state they are loaded into): for each
     key both have, the same kind of values (floating point or not) and the same shape (any size where the
     reference's is 0); floats finite. Keys
@@ -96,20 +97,20 @@ def check_state_tensors(tensors: Mapping[str, torch.Tensor], reference: Mapping[
 def tensor_digest(name: str, t: torch.Tensor) -> str:
     """sha256 of a tensor's name, dtype, shape and bytes (as stored: no conversion)."""
     h = hashlib.sha256()
-    h.update(f"{name}\0{str(t.dtype)}\0{tuple(t.shape)}\0".encode("utf-8"))
+    h.update(f"{name}\0{str(t.dtype)}\0{tuple(t.shape)}\0".encode())
     flat = t.detach().cpu().contiguous().reshape(-1)
     if flat.numel():
         h.update(flat.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
-def tensor_digests(tensors: Mapping[str, torch.Tensor]) -> Dict[str, str]:
+def tensor_digests(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """``{name: tensor_digest}`` of every tensor, for a file's metadata."""
     return {k: tensor_digest(k, v) for k, v in sorted(tensors.items())}
 
 
 def check_digests(tensors: Mapping[str, torch.Tensor], expected, where: str,
-                  error: Type[Exception] = ValueError, fix: str = "") -> None:
+                  error: type[Exception] = ValueError, fix: str = "") -> None:
     """Compare ``tensors`` with the digests a file's metadata holds (``expected``: ``tensor_digests`` of what was
     written; None: a file from before fewclip wrote them, nothing to compare). A changed, missing or added
     tensor is ``error`` naming the first."""

@@ -9,10 +9,10 @@ first line and recorded in its metrics.json (``threads``, ``threads_chosen_by``)
 from __future__ import annotations
 
 import os
-from typing import Dict, Optional, Tuple
+from typing import Optional
 
 ENV = "OMP_NUM_THREADS"
-_chosen: Dict[str, object] = {"n": None, "by": None}
+_chosen: dict[str, object] = {"n": None, "by": None}
 
 
 def usable_cores() -> int:
@@ -23,7 +23,7 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def choose(workers: int = 1, setting: Optional[int] = None) -> Tuple[int, str]:
+def choose(workers: int = 1, setting: Optional[int] = None) -> tuple[int, str]:
     """``(threads, why)``: ``setting`` (the config's ``threads``) when given, else ``OMP_NUM_THREADS`` when set
     to a positive whole number, else the usable cores divided by ``workers`` (at least 1)."""
     if setting:
@@ -55,7 +55,7 @@ def settle(workers: int = 1, setting: Optional[int] = None) -> int:
     return apply(*choose(workers, setting))
 
 
-def record() -> Dict[str, object]:
+def record() -> dict[str, object]:
     """What metrics.json keeps: the threads this process computes with and what chose them."""
     import torch
 

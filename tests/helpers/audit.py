@@ -1,8 +1,8 @@
 """Shared by several test files (from tests/test_device_audit.py)."""
 import pytest
+
 from fewclip.backbones.backbone import BackboneConfig, load_backbone
 from helpers.cards import CARD_GEOMETRIES, tiny_model_config, write_card
-
 
 REFERENCE = {"clip": "toy-clip", "euclidean_sq": "toy-euclip", "hyperbolic": "toy-meru", "sigmoid": "toy-siglip"}
 

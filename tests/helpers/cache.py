@@ -1,9 +1,9 @@
 """Shared by several test files (from tests/test_cache_methods.py)."""
 import torch
-from fewclip.features.encode import text_prototypes
-from fewclip.backbones.geometry import make_geometry
-from helpers.cards import CARD_GEOMETRIES, SIGLIP_TEXT
 
+from fewclip.backbones.geometry import make_geometry
+from fewclip.features.encode import text_prototypes
+from helpers.cards import CARD_GEOMETRIES, SIGLIP_TEXT
 
 TOY = ["toy-clip", "toy-euclip", "toy-meru", "toy-siglip"]  # clip, euclidean_sq, hyperbolic, sigmoid
 

@@ -1,12 +1,13 @@
 """Shared by several test files (from tests/parity/test_cache_parity.py)."""
 import dataclasses
+
 import torch
+
 from fewclip.backbones.geometry import make_geometry
 from fewclip.features.encode import Features
 from fewclip.runs.run import load_train_config
 from fewclip.training.engine import FitData, TrainConfig
 from helpers.parity import FIXTURE_ROOT, fixture_loader
-
 
 FIXTURES = FIXTURE_ROOT / "cache_ref"
 

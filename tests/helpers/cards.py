@@ -1,12 +1,13 @@
 """Shared by several test files (from tests/test_coop.py)."""
 import copy
 import math
+
 import pytest
 import torch
 from omegaconf import OmegaConf
 from safetensors.torch import save_file
-from fewclip.backbones.backbone import BackboneConfig, build_open_clip_model, load_backbone
 
+from fewclip.backbones.backbone import BackboneConfig, build_open_clip_model, load_backbone
 
 POSITIONS = ["end", "middle", "front"]
 

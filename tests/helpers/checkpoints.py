@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Dict
 
 import numpy as np
 import torch
@@ -54,13 +53,13 @@ def _randn(g: torch.Generator, *shape, std: float) -> torch.Tensor:
     return torch.randn(*shape, generator=g) * std
 
 
-def tiny_meru_state_dict(seed: int = 0, hyperbolic: bool = True) -> "OrderedDict[str, torch.Tensor]":
+def tiny_meru_state_dict(seed: int = 0, hyperbolic: bool = True) -> OrderedDict[str, torch.Tensor]:
     """A MERU (or, ``hyperbolic=False``, MERU's CLIP baseline) state dict with random weights."""
     g = torch.Generator().manual_seed(seed)
     D, depth, p = MERU_VIT["embed_dim"], MERU_VIT["depth"], MERU_VIT["patch_size"]
     W, L, C, V = (MERU_TEXT[k] for k in ("width", "layers", "context_length", "vocab_size"))
     n_tok = (MERU_IMAGE // p) ** 2 + 1
-    sd: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    sd: OrderedDict[str, torch.Tensor] = OrderedDict()
     sd["logit_scale"] = torch.tensor(4.7)  # above MERU's clamp at 4.6052
     if hyperbolic:
         sd["curv"] = torch.tensor(math.log(0.5))
@@ -124,7 +123,7 @@ def _optimizer_state(seed: int) -> dict:
     return opt.state_dict()
 
 
-def meru_checkpoint(sd: Dict[str, torch.Tensor], iteration: int = 120) -> dict:
+def meru_checkpoint(sd: dict[str, torch.Tensor], iteration: int = 120) -> dict:
     """What MERU's CheckpointManager.step writes: every checkpointable's state dict and the iteration."""
     return {
         "model": sd,
@@ -154,7 +153,7 @@ def euclip_model_config() -> dict:
 EUCLIP_LOG_SCALES = {"euclidean_sq": math.log(1.35), "hyperbolic": math.log(4.0), "elliptic": math.log(20.0)}
 
 
-def tiny_euclip_state_dict(geometry: str, seed: int = 0) -> "OrderedDict[str, torch.Tensor]":
+def tiny_euclip_state_dict(geometry: str, seed: int = 0) -> OrderedDict[str, torch.Tensor]:
     """The fork's CLIP without final LayerNorms, in ``geometry`` (fewclip's name), random weights."""
     sd = OrderedDict((k, v) for k, v in tiny_openai_state_dict(seed).items()
                      if not k.startswith(("visual.ln_post.", "ln_final.")))
@@ -166,13 +165,13 @@ def tiny_euclip_state_dict(geometry: str, seed: int = 0) -> "OrderedDict[str, to
     return sd
 
 
-def open_clip_train_checkpoint(sd: Dict[str, torch.Tensor], name: str = "run", epoch: int = 3) -> dict:
+def open_clip_train_checkpoint(sd: dict[str, torch.Tensor], name: str = "run", epoch: int = 3) -> dict:
     """What open_clip_train saves with DistributedDataParallel: ``module.`` keys under ``state_dict``."""
     return {"epoch": epoch, "name": name, "state_dict": OrderedDict((f"module.{k}", v) for k, v in sd.items()),
             "optimizer": _optimizer_state(2)}
 
 
-def tiny_openai_fp16(seed: int = 0) -> "OrderedDict[str, torch.Tensor]":
+def tiny_openai_fp16(seed: int = 0) -> OrderedDict[str, torch.Tensor]:
     """tiny_clip's OpenAI-layout state dict in float16 (OpenAI's files are float16)."""
     return OrderedDict((k, v.half()) for k, v in tiny_openai_state_dict(seed).items())
 

@@ -1,9 +1,9 @@
 """Shared by several test files (from tests/test_deep.py)."""
 import pytest
 import torch
+
 from fewclip.backbones.backbone import backbone_config_from_dict, load_backbone
 from helpers.cards import CARD_GEOMETRIES, tiny_model_config, write_card
-
 
 CLASSNAMES = ["cat", "dog", "golden retriever"]
 

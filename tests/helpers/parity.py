@@ -4,8 +4,8 @@ closing lines of ``pytest -s``."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Dict, Tuple
 
 import torch
 from safetensors.torch import load_file
@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 FIXTURE_ROOT = Path(__file__).resolve().parents[1] / "fixtures"
 
 
-def fixture_loader(folder: Path) -> Callable[[str], Tuple[Dict[str, torch.Tensor], dict]]:
+def fixture_loader(folder: Path) -> Callable[[str], tuple[dict[str, torch.Tensor], dict]]:
     """``load(name)`` -> (the tensors of ``folder/name.safetensors``, the JSON of ``folder/name.json``)."""
     def load(name: str):
         return load_file(str(folder / f"{name}.safetensors")), json.loads((folder / f"{name}.json").read_text())
@@ -26,7 +26,7 @@ class Parity:
 
     def __init__(self, tol: float):
         self.tol = tol
-        self.worst: Dict[str, Tuple[float, str]] = {}
+        self.worst: dict[str, tuple[float, str]] = {}
 
     def check(self, what: str, got, want, tol: float | None = None) -> float:
         tol = self.tol if tol is None else tol

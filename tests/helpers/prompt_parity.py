@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Dict, List, Tuple
 
 import open_clip
 import torch
@@ -26,21 +25,21 @@ from fewclip.adapters.prograd import ProGrad, ProGradConfig
 from fewclip.adapters.tcp import TCP, TCPConfig
 from fewclip.adapters.zeroshot import ZeroShot, ZeroShotConfig
 from fewclip.backbones.backbone import Backbone
-from fewclip.training.engine import CachedFeatures, TrainConfig, train_loop
-from fewclip.features.encode import Features
 from fewclip.backbones.geometry import make_geometry
-from helpers.tiny_clip import state_sha256, tiny_images, tiny_openai_state_dict
+from fewclip.features.encode import Features
+from fewclip.training.engine import CachedFeatures, TrainConfig, train_loop
 from helpers.parity import FIXTURE_ROOT
+from helpers.tiny_clip import state_sha256, tiny_images, tiny_openai_state_dict
 
 FIXTURES = FIXTURE_ROOT / "prompt_ref"
 TOLERANCE = 1e-4
-Check = Tuple[str, torch.Tensor, torch.Tensor]
+Check = tuple[str, torch.Tensor, torch.Tensor]
 COOP_FIXTURES = ["coop_unified", "coop_csc", "coop_middle", "coop_front", "coop_word"]
 ALL_FIXTURES = ["zeroshot", *COOP_FIXTURES, "cocoop", "kgcoop", "kgcoop_pets", "prograd", "prograd_nctx4", "tcp",
                 "tcp_pets"]
 
 
-def load(name: str) -> Tuple[Dict[str, torch.Tensor], dict]:
+def load(name: str) -> tuple[dict[str, torch.Tensor], dict]:
     meta = json.loads((FIXTURES / f"{name}.json").read_text())
     return load_file(str(FIXTURES / f"{name}.safetensors")), meta
 
@@ -64,7 +63,7 @@ def features(bb: Backbone) -> torch.Tensor:
     return bb.encode_images(tiny_images(n=4, seed=1))  # raw [4, 64]
 
 
-def one_step(adapter, feats: torch.Tensor, labels: torch.Tensor) -> Dict[str, torch.Tensor]:
+def one_step(adapter, feats: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
     """One iteration of the engine's loop at the warm-up lr (the authors' first step); returns each trainable
     parameter's gradient (after the adapter's ``backward``) and value after the step, by name."""
     cfg = TrainConfig(**{**adapter.train_defaults, "batch_size": len(labels), "iterations": 1})
@@ -78,14 +77,14 @@ def one_step(adapter, feats: torch.Tensor, labels: torch.Tensor) -> Dict[str, to
     return out
 
 
-def set_params(adapter, tensors: Dict[str, torch.Tensor], prefix: str = "init.") -> None:
+def set_params(adapter, tensors: dict[str, torch.Tensor], prefix: str = "init.") -> None:
     with torch.no_grad():
         for name, p in adapter.named_parameters():
             if prefix + name in tensors:
                 p.copy_(tensors[prefix + name])
 
 
-def token_checks(adapter, t: Dict[str, torch.Tensor]) -> List[Check]:
+def token_checks(adapter, t: dict[str, torch.Tensor]) -> list[Check]:
     """The prompt token ids outside the context slots (whose embeddings are replaced) equal the authors', in
     order (their ids keep the "end" order for every layout; the context is placed in the embeddings), and the
     pooled end-of-text token sits where theirs does."""
@@ -104,7 +103,7 @@ def token_checks(adapter, t: Dict[str, torch.Tensor]) -> List[Check]:
             ("end-of-text position", adapter.tokens.cpu().argmax(-1).float(), theirs.argmax(-1).float())]
 
 
-def logits_in_every_mode(adapter, feats, want, modes=("shared", "truncate", "faithful")) -> List[Check]:
+def logits_in_every_mode(adapter, feats, want, modes=("shared", "truncate", "faithful")) -> list[Check]:
     out = []
     for mode in modes:
         try:
@@ -117,7 +116,7 @@ def logits_in_every_mode(adapter, feats, want, modes=("shared", "truncate", "fai
     return out
 
 
-def check_zeroshot(bb) -> List[Check]:
+def check_zeroshot(bb) -> list[Check]:
     t, m = load("zeroshot")
     feats, out = features(bb), []
     for ds, template in m["templates"].items():
@@ -127,7 +126,7 @@ def check_zeroshot(bb) -> List[Check]:
     return out
 
 
-def check_coop(bb, name: str) -> List[Check]:
+def check_coop(bb, name: str) -> list[Check]:
     t, m = load(name)
     feats, labels = features(bb), torch.tensor(m["labels"])
     ad = CoOp(CoOpConfig(n_ctx=m["n_ctx"], ctx_init=m["ctx_init_words"], csc=m["csc"],
@@ -148,7 +147,7 @@ def check_coop(bb, name: str) -> List[Check]:
     return out
 
 
-def check_cocoop(bb) -> List[Check]:
+def check_cocoop(bb) -> list[Check]:
     t, m = load("cocoop")
     feats, labels = features(bb), torch.tensor(m["labels"])
     g = bb.geometry
@@ -180,7 +179,7 @@ def check_cocoop(bb) -> List[Check]:
     return out
 
 
-def check_kgcoop(bb, name: str) -> List[Check]:
+def check_kgcoop(bb, name: str) -> list[Check]:
     t, m = load(name)
     feats, labels = features(bb), torch.tensor(m["labels"])
     ad = KgCoOp(KgCoOpConfig(weight=m["W"]), bb, m["classnames"], [m["teacher_template"]])
@@ -202,7 +201,7 @@ def check_kgcoop(bb, name: str) -> List[Check]:
     return out
 
 
-def check_prograd(bb, name: str) -> List[Check]:
+def check_prograd(bb, name: str) -> list[Check]:
     t, m = load(name)
     feats = features(bb)
     g = bb.geometry
@@ -237,7 +236,7 @@ def check_prograd(bb, name: str) -> List[Check]:
     return out
 
 
-def check_tcp(bb, name: str) -> List[Check]:
+def check_tcp(bb, name: str) -> list[Check]:
     t, m = load(name)
     feats, labels = features(bb), torch.tensor(m["labels"])
     ad = TCP(TCPConfig(), bb, m["classnames"], [m["teacher_template"]])
@@ -270,7 +269,7 @@ def check_tcp(bb, name: str) -> List[Check]:
     return out
 
 
-def checks(bb, name: str) -> List[Check]:
+def checks(bb, name: str) -> list[Check]:
     if name == "zeroshot":
         return check_zeroshot(bb)
     if name.startswith("coop_"):

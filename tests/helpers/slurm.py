@@ -13,7 +13,6 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "squeue", "scancel", "sinfo")
@@ -24,7 +23,7 @@ class Unavailable(RuntimeError):
     """SLURM cannot start here (one line: why)."""
 
 
-def _free_ports(n: int) -> List[int]:
+def _free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
     try:
         for s in socks:
@@ -46,8 +45,8 @@ def _binary(name: str) -> str:
 @dataclass
 class Cluster:
     folder: Path
-    env: Dict[str, str]
-    pid_files: List[Path] = field(default_factory=list)
+    env: dict[str, str]
+    pid_files: list[Path] = field(default_factory=list)
 
     def run(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
         return subprocess.run(list(cmd), env=self.env, capture_output=True, text=True, timeout=60, check=check)

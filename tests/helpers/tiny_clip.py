@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
-from typing import Dict
 
 import torch
 
@@ -27,7 +26,7 @@ CONFIG = dict(embed_dim=64, image_resolution=32, vision_layers=2, vision_width=1
               transformer_layers=2)
 
 
-def _block(prefix: str, width: int, g: torch.Generator, sd: Dict[str, torch.Tensor]) -> None:
+def _block(prefix: str, width: int, g: torch.Generator, sd: dict[str, torch.Tensor]) -> None:
     def randn(*shape, std):
         return torch.randn(*shape, generator=g) * std
 
@@ -45,11 +44,11 @@ def _block(prefix: str, width: int, g: torch.Generator, sd: Dict[str, torch.Tens
     sd[f"{prefix}.ln_2.bias"] = randn(width, std=0.05)
 
 
-def tiny_openai_state_dict(seed: int = 0) -> "OrderedDict[str, torch.Tensor]":
+def tiny_openai_state_dict(seed: int = 0) -> OrderedDict[str, torch.Tensor]:
     """Float32 state dict with OpenAI CLIP's key names (what ``clip.load(..., jit=False)`` reads)."""
     c = CONFIG
     g = torch.Generator().manual_seed(seed)
-    sd: "OrderedDict[str, torch.Tensor]" = OrderedDict()
+    sd: OrderedDict[str, torch.Tensor] = OrderedDict()
     vw, tw, p = c["vision_width"], c["transformer_width"], c["vision_patch_size"]
     grid = c["image_resolution"] // p
 
@@ -77,7 +76,7 @@ def tiny_openai_state_dict(seed: int = 0) -> "OrderedDict[str, torch.Tensor]":
     return sd
 
 
-def state_sha256(sd: Dict[str, torch.Tensor]) -> str:
+def state_sha256(sd: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
     for k in sorted(sd):
         t = sd[k].detach().float().contiguous()

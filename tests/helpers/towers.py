@@ -2,9 +2,10 @@
 import open_clip
 import pytest
 from open_clip.model import build_model_from_openai_state_dict
+
 from fewclip.backbones.backbone import OPENAI_EXTRA_KEYS, Backbone
-from fewclip.training.engine import TrainConfig, cosine_lr, make_optimizer
 from fewclip.backbones.geometry import make_geometry
+from fewclip.training.engine import TrainConfig, cosine_lr, make_optimizer
 from helpers.tiny_clip import state_sha256, tiny_openai_state_dict
 
 

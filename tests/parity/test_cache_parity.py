@@ -22,9 +22,9 @@ from fewclip.adapters.lpp import LPP, LPPConfig
 from fewclip.adapters.taskres import TaskRes, TaskResConfig
 from fewclip.adapters.tip_adapter import TipAdapter
 from fewclip.adapters.tip_adapter_f import TipAdapterF, TipAdapterFConfig
-from fewclip.training.engine import CachedFeatures, FitData, TrainConfig, cosine_lr, make_optimizer, train_loop
 from fewclip.features.encode import Features
-from helpers.cache_parity import f64, fixture, FeatureBackbone, authors_config  # noqa: F401
+from fewclip.training.engine import CachedFeatures, FitData, TrainConfig, cosine_lr, make_optimizer, train_loop
+from helpers.cache_parity import FeatureBackbone, authors_config, f64, fixture  # noqa: F401
 
 # Tolerances, in float64 and float32 alike (the fixture's inputs are float32: see the module docstring).
 LOGITS, PARAM, LOSS = 1e-4, 1e-6, 1e-5

@@ -12,10 +12,10 @@ from safetensors.torch import load_file
 
 from fewclip.adapters.clip_svd import ClipSVD, ClipSVDConfig
 from fewclip.backbones.backbone import OPENAI_EXTRA_KEYS, Backbone
-from fewclip.training.engine import TrainConfig, make_optimizer
 from fewclip.backbones.geometry import make_geometry
-from helpers.tiny_clip import state_sha256, tiny_images, tiny_openai_state_dict
+from fewclip.training.engine import TrainConfig, make_optimizer
 from helpers.parity import FIXTURE_ROOT, Parity
+from helpers.tiny_clip import state_sha256, tiny_images, tiny_openai_state_dict
 
 FIXTURES = FIXTURE_ROOT / "tower_ref"
 TOL = 1e-4  # the tolerance after a training step

@@ -14,8 +14,8 @@ from fewclip.adapters.maple import MaPLe, MaPLeConfig
 from fewclip.adapters.promptsrc import PromptSRC, PromptSRCConfig
 from fewclip.backbones.backbone import OPENAI_EXTRA_KEYS, Backbone
 from fewclip.backbones.geometry import make_geometry
+from helpers.parity import FIXTURE_ROOT, Parity, fixture_loader
 from helpers.tiny_clip import state_sha256, tiny_images, tiny_openai_state_dict
-from helpers.parity import FIXTURE_ROOT, fixture_loader, Parity
 
 FIXTURES = FIXTURE_ROOT / "deep_ref"
 TOL = 2e-5  # observed on the 2-core CPU: at most 4.4e-6 (the aggregated logits); the issue asks for 1e-4

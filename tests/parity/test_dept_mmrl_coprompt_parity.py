@@ -12,9 +12,9 @@ from fewclip.adapters.dept import DePT, DePTConfig
 from fewclip.adapters.mmrl import MMRL, MMRLConfig
 from fewclip.backbones.backbone import Backbone
 from fewclip.backbones.geometry import make_geometry
+from helpers.parity import FIXTURE_ROOT, Parity, fixture_loader
 from helpers.tiny_clip import tiny_images
 from helpers.towers import one_step, tiny  # noqa: F401
-from helpers.parity import FIXTURE_ROOT, fixture_loader, Parity
 
 F = torch.nn.functional
 

@@ -9,21 +9,20 @@ at scale 100 and a text tower that is a table of the fixture's class text featur
 import pytest
 import torch
 
-from fewclip.adapters.gda import GDA, GDAConfig
 from fewclip.adapters._cache import self_similarity
+from fewclip.adapters.gda import GDA, GDAConfig
 from fewclip.adapters.proker import ProKeR, ProKeRConfig, grid, kernel, solve_cg, solve_direct, tile_dtype
 from fewclip.adapters.prolip import ProLIP, ProLIPConfig
 from fewclip.backbones.backbone import BackboneError
-from fewclip.training.engine import FitData, TrainConfig
-from fewclip.utils.errors import NonFiniteError
+from fewclip.backbones.geometry import make_geometry
 from fewclip.features.encode import FeatureCache, Features
 from fewclip.features.store import FeatureStore
-from fewclip.backbones.geometry import make_geometry
+from fewclip.training.engine import FitData, TrainConfig
+from fewclip.utils.errors import NonFiniteError
 from helpers.cache import EVERY, NAMES, PARAMS, TEMPLATES, TableBackbone, zero_shot
-from helpers.cache_parity import FeatureBackbone, authors_config
+from helpers.cache_parity import FeatureBackbone, authors_config, fit_data, reldiff
 from helpers.cards import backbone, cards, image_features  # noqa: F401  (cards: fixture)
 from helpers.parity import FIXTURE_ROOT, fixture_loader
-from helpers.cache_parity import fit_data, reldiff
 
 FIXTURES = FIXTURE_ROOT / "cache_ref"
 f64 = torch.float64

@@ -15,16 +15,26 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers.checkpoints import (CLASSNAMES, MERU_IMPORT_OPTIONS, TEMPLATES, euclip_model_config, meru_checkpoint,
-                                open_clip_train_checkpoint, openai_archive, tiny_euclip_state_dict, tiny_images,
-                                tiny_meru_state_dict, tiny_openai_fp16)
 from fewclip.backbones.backbone import BackboneError
+from fewclip.backbones.formats.open_clip import resolve_model
+from fewclip.backbones.importer import FORMATS, CheckpointImportError, import_checkpoint
 from fewclip.cli.main import main
 from fewclip.features.encode import text_prototypes
-from fewclip.backbones.importer import FORMATS, CheckpointImportError, import_checkpoint
-from fewclip.backbones.formats.open_clip import resolve_model
-from helpers.tiny_clip import state_sha256
+from helpers.checkpoints import (
+    CLASSNAMES,
+    MERU_IMPORT_OPTIONS,
+    TEMPLATES,
+    euclip_model_config,
+    meru_checkpoint,
+    open_clip_train_checkpoint,
+    openai_archive,
+    tiny_euclip_state_dict,
+    tiny_images,
+    tiny_meru_state_dict,
+    tiny_openai_fp16,
+)
 from helpers.parity import FIXTURE_ROOT
+from helpers.tiny_clip import state_sha256
 
 FIXTURES = FIXTURE_ROOT
 TOL = 1e-4

@@ -18,15 +18,14 @@ from safetensors.torch import load_file, save_file
 import fewclip
 from fewclip.adapter.base import AdapterError
 from fewclip.adapters import build_adapter
-from fewclip.runs.export import export_run
-from fewclip.runs.run import load_train_config, run_train
 from fewclip.adapters.prolip import ProLIP, ProLIPConfig
 from fewclip.backbones.backbone import BackboneConfig, build_open_clip_model, load_backbone
 from fewclip.features.encode import FeatureCache
 from fewclip.features.store import FeatureStore
+from fewclip.runs.export import export_run
+from fewclip.runs.run import load_train_config, run_train
 from helpers.cache import NAMES, PARAMS, TEMPLATES, zero_shot
-from helpers.cache_parity import FeatureBackbone, authors_config
-from helpers.cache_parity import fit_data, reldiff
+from helpers.cache_parity import FeatureBackbone, authors_config, fit_data, reldiff
 from helpers.parity import FIXTURE_ROOT
 
 FIXTURES = FIXTURE_ROOT / "cache_ref"

@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from fewclip.adapters.skiptuning import SkipTuning, SkipTuningConfig, run_ranks, skip_classes
-from helpers.towers import one_step, tiny  # noqa: F401  (tiny is a fixture)
-from helpers.tiny_clip import tiny_images
 from helpers.parity import FIXTURE_ROOT, Parity
+from helpers.tiny_clip import tiny_images
+from helpers.towers import one_step, tiny  # noqa: F401  (tiny is a fixture)
 
 FIXTURES = FIXTURE_ROOT / "skiptuning_ref"
 TOL = 1e-4  # the tolerance after a training step

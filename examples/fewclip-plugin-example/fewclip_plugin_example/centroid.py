@@ -7,14 +7,15 @@ prototype and the embeddings of its few-shot training images, so it works in eve
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
 from fewclip.adapter.base import Adapter, AdapterConfig, register_adapter
-from fewclip.features.encode import text_prototypes
 from fewclip.adapter.state_export import STATE
+from fewclip.features.encode import text_prototypes
 
 
 @dataclass

@@ -6,7 +6,6 @@ and makes the same card as fewclip's own open_clip format would from the same te
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict
 
 import numpy as np
 import torch
@@ -15,7 +14,7 @@ from fewclip.backbones.formats.open_clip import open_clip_card
 from fewclip.backbones.importer import CheckpointImportError, Format, Imported, register_format
 
 
-def read_npz(path: Path, options: Dict[str, str]) -> Imported:
+def read_npz(path: Path, options: dict[str, str]) -> Imported:
     try:
         with np.load(path, allow_pickle=False) as arrays:
             sd = {k: torch.from_numpy(np.array(arrays[k])) for k in arrays.files}

@@ -26,20 +26,25 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Dict
 
 from fewclip.backbones.backbone import EUCLIP_GEOMETRY_KEYS
+from fewclip.backbones.formats.open_clip import (
+    check_final_ln,
+    check_open_clip_keys,
+    open_clip_state_dict,
+    preprocess,
+    read_tokenizer,
+    resolve_model,
+)
 from fewclip.backbones.geometry import canonical_geometry
 from fewclip.backbones.importer import CheckpointImportError, Format, Imported, register_format
 from fewclip.backbones.preprocess import PREPROCESS_OPTIONS
-from fewclip.backbones.formats.open_clip import (check_final_ln, check_open_clip_keys, open_clip_state_dict, preprocess, read_tokenizer,
-                        resolve_model)
 
 CURVATURE_RANGE = (0.1, 10.0)  # the fork's CLIP.forward: torch.clamp(self.curvature.exp(), min=0.1, max=10.)
 GEOMETRIES = ("clip", "elliptic", "euclidean", "euclidean_sq", "hyperbolic", "hyperbolic_sq")
 
 
-def read_euclip(path: Path, options: Dict[str, str]) -> Imported:
+def read_euclip(path: Path, options: dict[str, str]) -> Imported:
     try:
         geometry = canonical_geometry(options["geometry"])
     except ValueError as e:
@@ -65,7 +70,7 @@ def read_euclip(path: Path, options: Dict[str, str]) -> Imported:
             f"{path} holds {', '.join(held)}, which only the fork's hyperbolic models have, but geometry="
             f"{options['geometry']}: check the --geometry it was trained with")
     scale = math.exp(float(sd["logit_scale"].float().reshape(-1)[0]))
-    params: Dict[str, float] = {"logit_scale": scale}
+    params: dict[str, float] = {"logit_scale": scale}
     if "logit_bias" in sd:
         if geometry != "clip":
             raise CheckpointImportError(

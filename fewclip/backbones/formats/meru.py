@@ -32,16 +32,16 @@ import math
 import re
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any
 
 import numpy as np
 import torch
+import yaml
 
 from fewclip.backbones.backbone import read_checkpoint
 from fewclip.backbones.fingerprints import identify
 from fewclip.backbones.importer import CheckpointImportError, Format, Imported, register_format
 from fewclip.backbones.preprocess import PreprocessConfig
-import yaml
 
 # MERU's own timm registrations (meru/encoders/image_encoders.py): name -> (timm model, arguments).
 MERU_VITS = {"vit_small_mocov3_patch16_224": ("vit_small_patch16_224",
@@ -57,7 +57,7 @@ TEXT_BLOCK_KEYS = ("attn.in_proj_weight", "attn.in_proj_bias", "attn.out_proj.we
                    "mlp.c_proj.bias", "ln_2.weight", "ln_2.bias")
 
 
-def _state_dict(path: Path) -> Dict[str, torch.Tensor]:
+def _state_dict(path: Path) -> dict[str, torch.Tensor]:
     ck = read_checkpoint(path)
     sd = ck.get("model") if isinstance(ck, dict) and isinstance(ck.get("model"), dict) else ck
     if not isinstance(sd, dict) or "textual_proj.weight" not in sd or "visual_proj.weight" not in sd:
@@ -75,7 +75,7 @@ def _yaml_value(text: str) -> Any:
     return yaml.safe_load(text)
 
 
-def _timm_vit(arch: str, overrides: Dict[str, Any]):
+def _timm_vit(arch: str, overrides: dict[str, Any]):
     """(timm model name, keyword arguments) of MERU's ``build_timm_vit(arch)`` plus explicit overrides."""
     import timm  # only MERU/HyCoCLIP imports need it: a start-up cost otherwise
 
@@ -92,7 +92,7 @@ def _timm_vit(arch: str, overrides: Dict[str, Any]):
     return base, {**kwargs, "global_pool": "token", "class_token": True, **overrides}
 
 
-def _timm_heads(timm_model: str, kwargs: Dict[str, Any]) -> int:
+def _timm_heads(timm_model: str, kwargs: dict[str, Any]) -> int:
     """The head count of the timm ViT ``timm_model`` built with ``kwargs`` (on the meta device: no memory, no init)."""
     import timm  # only MERU/HyCoCLIP imports need it: a start-up cost otherwise
 
@@ -101,7 +101,7 @@ def _timm_heads(timm_model: str, kwargs: Dict[str, Any]) -> int:
     return int(vit.blocks[0].attn.num_heads)
 
 
-def check_authors_vit(arch: str, timm_model: str, kwargs: Dict[str, Any], width: int, options: Dict[str, str],
+def check_authors_vit(arch: str, timm_model: str, kwargs: dict[str, Any], width: int, options: dict[str, str],
                       path: Path) -> int:
     """The head count of the tower ``arch`` builds, checked against the authors' configuration for ``width``
     (head counts are in no tensor shape): a contradiction is an error naming the authors' arch, unless the
@@ -135,7 +135,7 @@ def _shortest(t: torch.Tensor) -> list:
     return [float(np.format_float_positional(dtype(float(x)), unique=True)) for x in t.reshape(-1)]
 
 
-def read_meru(path: Path, options: Dict[str, str]) -> Imported:
+def read_meru(path: Path, options: dict[str, str]) -> Imported:
     sd = _state_dict(path)
     notes = []
     arch = options["arch"]
@@ -180,13 +180,13 @@ def read_meru(path: Path, options: Dict[str, str]) -> Imported:
                  f"(MERU's arch {arch}), {image_size}px" + (f"; recognised as {known.name}" if known else ""))
 
     # -- geometry: stored logs, MERU.forward's clamps
-    weights: Dict[str, torch.Tensor] = {}
+    weights: dict[str, torch.Tensor] = {}
     log_scale = sd["logit_scale"].float().reshape(())
     clamped = log_scale.clamp(max=LOG_SCALE_MAX)
     if clamped != log_scale:
         notes.append(f"logit_scale: stored log {float(log_scale):.6g} clamped to {LOG_SCALE_MAX} as MERU.forward does")
     weights["logit_scale"] = clamped.to(sd["logit_scale"].dtype)
-    geometry: Dict[str, Any] = {"logit_scale": math.exp(float(weights["logit_scale"].float()))}
+    geometry: dict[str, Any] = {"logit_scale": math.exp(float(weights["logit_scale"].float()))}
     if "curv" in sd:
         lo, hi = math.log(curv_init / 10), math.log(curv_init * 10)
         stored = {k: float(sd[k].float()) for k in ("curv", "visual_alpha", "textual_alpha")}

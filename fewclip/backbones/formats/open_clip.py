@@ -15,20 +15,32 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Optional
 
 import torch
-
-from fewclip.backbones.backbone import (EUCLIP_GEOMETRY_KEYS, OPENAI_EXTRA_KEYS, BackboneError, known_weights_error,
-                               model_tokenizer, read_checkpoint)
-from fewclip.backbones.fingerprints import identify
-from fewclip.backbones.importer import CheckpointImportError, Format, Imported, register_format
-from fewclip.backbones.preprocess import (PREPROCESS_OPTIONS, PreprocessConfig, PreprocessError, options_given,
-                                parse_preprocess_options, published_preprocess)
 from open_clip.factory import get_model_config
 
+from fewclip.backbones.backbone import (
+    EUCLIP_GEOMETRY_KEYS,
+    OPENAI_EXTRA_KEYS,
+    BackboneError,
+    known_weights_error,
+    model_tokenizer,
+    read_checkpoint,
+)
+from fewclip.backbones.fingerprints import identify
+from fewclip.backbones.importer import CheckpointImportError, Format, Imported, register_format
+from fewclip.backbones.preprocess import (
+    PREPROCESS_OPTIONS,
+    PreprocessConfig,
+    PreprocessError,
+    options_given,
+    parse_preprocess_options,
+    published_preprocess,
+)
 
-def open_clip_state_dict(path: Path) -> Dict[str, torch.Tensor]:
+
+def open_clip_state_dict(path: Path) -> dict[str, torch.Tensor]:
     """The state dict of an open_clip checkpoint: bare, or open_clip_train's wrapper, ``module.`` stripped."""
     ck = read_checkpoint(path)
     sd = ck["state_dict"] if isinstance(ck, dict) and isinstance(ck.get("state_dict"), dict) else ck
@@ -41,7 +53,7 @@ def open_clip_state_dict(path: Path) -> Dict[str, torch.Tensor]:
     return dict(sd)
 
 
-def _translate_final_layernorm(cfg: Dict[str, Any], where: str) -> Tuple[Dict[str, Any], bool]:
+def _translate_final_layernorm(cfg: dict[str, Any], where: str) -> tuple[dict[str, Any], bool]:
     """The EuCLIP fork's ``final_layernorm`` keys (vision_cfg, text_cfg) -> the card's ``final_ln``."""
     cfg = {**cfg, "vision_cfg": dict(cfg.get("vision_cfg", {})), "text_cfg": dict(cfg.get("text_cfg", {}))}
     flags = {t: cfg[f"{t}_cfg"].pop("final_layernorm", True) for t in ("vision", "text")}
@@ -51,7 +63,7 @@ def _translate_final_layernorm(cfg: Dict[str, Any], where: str) -> Tuple[Dict[st
     return cfg, bool(flags["vision"])
 
 
-def resolve_model(options: Dict[str, str]) -> Tuple[Dict[str, Any], Dict[str, Any], bool, List[str]]:
+def resolve_model(options: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any], bool, list[str]]:
     """(card architecture entry, model config, final_ln, notes) from ``model=`` or ``model_config=``.
 
     ``model=`` is an open_clip architecture, or one of the EuCLIP fork's ``ARCH-no-final-ln``
@@ -83,7 +95,7 @@ def resolve_model(options: Dict[str, str]) -> Tuple[Dict[str, Any], Dict[str, An
                                 f"them); for a config of your own give model_config=FILE.json")
 
 
-def check_final_ln(sd: Dict[str, torch.Tensor], final_ln: bool, model_name: Optional[str], path: Path, fmt: str):
+def check_final_ln(sd: dict[str, torch.Tensor], final_ln: bool, model_name: Optional[str], path: Path, fmt: str):
     """A file with (without) the text tower's final LayerNorm under an architecture without (with) one is an error
     naming the architecture it fits (the EuCLIP fork's ``ARCH-no-final-ln`` configs drop both towers' final LN)."""
     has_ln = any(k in sd for k in ("ln_final.weight", "text.ln_final.weight"))
@@ -102,7 +114,7 @@ def check_final_ln(sd: Dict[str, torch.Tensor], final_ln: bool, model_name: Opti
         f"use model={base}" + (" (or `fewclip import open_clip`)" if fmt == "euclip" else ""))
 
 
-def check_open_clip_keys(sd: Dict[str, torch.Tensor], model_cfg: Dict[str, Any], path: Path, fmt: str,
+def check_open_clip_keys(sd: dict[str, torch.Tensor], model_cfg: dict[str, Any], path: Path, fmt: str,
                          model_name: Optional[str] = None):
     """Refuse the layouts of other formats and weights whose fingerprint names another activation; drop OpenAI's
     extra keys under a QuickGELU config."""
@@ -124,7 +136,7 @@ def check_open_clip_keys(sd: Dict[str, torch.Tensor], model_cfg: Dict[str, Any],
     return sd
 
 
-def read_tokenizer(model_cfg: Dict[str, Any], arch: Optional[str], options: Dict[str, str], where: str):
+def read_tokenizer(model_cfg: dict[str, Any], arch: Optional[str], options: dict[str, str], where: str):
     """(card tokenizer section, HF tokenizer to save or None, note) for an open_clip model config."""
     try:
         tok, spec = model_tokenizer(model_cfg, arch, options.get("tokenizer"), where)
@@ -135,13 +147,13 @@ def read_tokenizer(model_cfg: Dict[str, Any], arch: Optional[str], options: Dict
     return {"type": "open_clip", **({"name": arch} if arch else {})}, None, "tokenizer: open_clip's CLIP BPE"
 
 
-def image_size_of(model_cfg: Dict[str, Any]) -> int:
+def image_size_of(model_cfg: dict[str, Any]) -> int:
     size = (model_cfg.get("vision_cfg") or {}).get("image_size", 224)
     return int(size[0] if isinstance(size, (list, tuple)) else size)
 
 
-def preprocess(model_cfg: Dict[str, Any], options: Dict[str, str], arch: Optional[str],
-               tags: bool = True) -> Tuple[PreprocessConfig, str]:
+def preprocess(model_cfg: dict[str, Any], options: dict[str, str], arch: Optional[str],
+               tags: bool = True) -> tuple[PreprocessConfig, str]:
     """The image preprocessing of an open_clip(-trained) checkpoint.
 
     ``pretrained=TAG``: the file holds that open_clip tag's weights, preprocessed as open_clip's pretrained
@@ -191,11 +203,11 @@ def preprocess(model_cfg: Dict[str, Any], options: Dict[str, str], arch: Optiona
     return cfg, f"preprocessing: {cfg.describe()} ({how})"
 
 
-def read_open_clip(path: Path, options: Dict[str, str]) -> Imported:
+def read_open_clip(path: Path, options: dict[str, str]) -> Imported:
     return open_clip_card(open_clip_state_dict(path), path, options)
 
 
-def open_clip_card(sd: Dict[str, torch.Tensor], path: Path, options: Dict[str, str],
+def open_clip_card(sd: dict[str, torch.Tensor], path: Path, options: dict[str, str],
                    fmt: str = "open_clip") -> Imported:
     """The card of an open_clip state dict ``sd`` read from ``path`` (by this format, or by a plugin's format for
     another file layout of the same tensors, named ``fmt``)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any
 
 import torch
 
@@ -24,7 +24,7 @@ from fewclip.backbones.preprocess import PreprocessConfig
 from fewclip.backbones.torchscript import archive_prefix
 
 
-def openai_model_config(sd: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+def openai_model_config(sd: dict[str, torch.Tensor]) -> dict[str, Any]:
     """The open_clip model config of an OpenAI state dict, derived as OpenAI's ``build_model`` does."""
     if "visual.proj" in sd:
         width = sd["visual.conv1.weight"].shape[0]
@@ -50,7 +50,7 @@ def openai_model_config(sd: Dict[str, torch.Tensor]) -> Dict[str, Any]:
     }
 
 
-def read_openai(path: Path, options: Dict[str, str]) -> Imported:
+def read_openai(path: Path, options: dict[str, str]) -> Imported:
     ck = read_checkpoint(path)
     sd = ck["state_dict"] if isinstance(ck, dict) and isinstance(ck.get("state_dict"), dict) else ck
     if not isinstance(sd, dict) or "text_projection" not in sd or "token_embedding.weight" not in sd:

@@ -26,13 +26,22 @@ the sweep: it is listed at the end with its log, and the next ``fewclip sweep`` 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from fewclip.runs.launch.base import (EXTRAS, LAUNCHERS, Launcher, LauncherConfig, LauncherError, check_launcher, gpus_for,
-                   register_launcher, require_extra)
+from fewclip.runs.launch.base import (
+    EXTRAS,
+    LAUNCHERS,
+    Launcher,
+    LauncherConfig,
+    LauncherError,
+    check_launcher,
+    gpus_for,
+    register_launcher,
+    require_extra,
+)
 from fewclip.runs.launch.local import LocalConfig
 from fewclip.runs.launch.progress import SweepProgress
 from fewclip.runs.launch.ray_tasks import RayConfig

@@ -5,11 +5,13 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Type
+from typing import Any, Optional
+
+from fewclip.config.sections import LauncherConfig, _positive  # noqa: F401  (re-exported)
 from fewclip.utils.errors import InputError
 from fewclip.utils.registry import Registry
-from fewclip.config.sections import LauncherConfig, _positive  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +30,7 @@ class Launcher:
     ``progress.Outcome``."""
 
     name: str
-    config_cls: Type[LauncherConfig]
+    config_cls: type[LauncherConfig]
     run: Callable[..., None]
     describe: Callable[[Any], str]
     dry_run: Optional[Callable[..., Any]] = None

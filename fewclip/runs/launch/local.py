@@ -10,21 +10,20 @@ is tried again after the others.
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import os
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Deque, List, Optional, Tuple
+from multiprocessing.connection import wait
+from typing import Optional
 
 import torch
 
+from fewclip.config.sections import LocalConfig
+from fewclip.runs.launch.base import Launcher, register_launcher
 from fewclip.runs.launch.progress import SweepProgress
 from fewclip.runs.launch.worker import RunResult, RunSpec, WorkerContext, execute_run, worker_setup
-import multiprocessing as mp
-from multiprocessing.connection import wait
-
-from fewclip.runs.launch.base import Launcher, register_launcher
-from fewclip.config.sections import LocalConfig
 from fewclip.utils.threads import choose as choose_threads
 
 log = logging.getLogger(__name__)
@@ -41,7 +40,7 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def visible_gpus() -> List[str]:
+def visible_gpus() -> list[str]:
     """The GPUs this process may use: ``CUDA_VISIBLE_DEVICES`` when set, else every CUDA device."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is not None:
@@ -52,14 +51,14 @@ def visible_gpus() -> List[str]:
         return []
 
 
-def run_local(cfg, specs: List[RunSpec], progress: SweepProgress, *, context: Optional[WorkerContext] = None,
+def run_local(cfg, specs: list[RunSpec], progress: SweepProgress, *, context: Optional[WorkerContext] = None,
               poll_s: float = 1.0) -> None:
     if cfg.workers == 1:
         return _in_process(specs, progress, context, poll_s)
     return _in_workers(cfg.workers, specs, progress, poll_s)
 
 
-def _in_process(specs: List[RunSpec], progress: SweepProgress, context: Optional[WorkerContext],
+def _in_process(specs: list[RunSpec], progress: SweepProgress, context: Optional[WorkerContext],
                 poll_s: float) -> None:
     """One run after another in this process; runs held by other workers are tried again after the rest."""
     pending, said = list(specs), None
@@ -109,7 +108,7 @@ class _Worker:
     spec: Optional[RunSpec] = None
 
 
-def _in_workers(n: int, specs: List[RunSpec], progress: SweepProgress, poll_s: float) -> None:
+def _in_workers(n: int, specs: list[RunSpec], progress: SweepProgress, poll_s: float) -> None:
 
     ctx = mp.get_context("spawn")
     gpus = visible_gpus()
@@ -129,7 +128,7 @@ def _in_workers(n: int, specs: List[RunSpec], progress: SweepProgress, poll_s: f
         there.close()
         return _Worker(slot, gpu, p, here)
 
-    queue: Deque[Tuple[float, RunSpec]] = deque((0.0, s) for s in specs)  # (not before, spec)
+    queue: deque[tuple[float, RunSpec]] = deque((0.0, s) for s in specs)  # (not before, spec)
     workers = [start(i) for i in range(min(n, len(specs)))]
     said = None
     try:

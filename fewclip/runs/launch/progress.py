@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence
 
 from fewclip.runs.launch.worker import RunResult
 from fewclip.utils.progress import progress
@@ -17,8 +17,8 @@ log = logging.getLogger(__name__)
 class Outcome:
     """What a launcher did: counts by status, the failed runs (with their logs), whether it was a dry run."""
 
-    counts: Dict[str, int] = field(default_factory=lambda: {"ran": 0, "rerun": 0, "by_others": 0, "failed": 0})
-    failures: List[RunResult] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=lambda: {"ran": 0, "rerun": 0, "by_others": 0, "failed": 0})
+    failures: list[RunResult] = field(default_factory=list)
     dry_run: bool = False
 
 
@@ -31,7 +31,7 @@ def _duration(s: float) -> str:
     return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
-def time_to_go(remaining: Sequence[str], walls: Dict[str, List[float]], busy_s: float, elapsed_s: float) -> float:
+def time_to_go(remaining: Sequence[str], walls: dict[str, list[float]], busy_s: float, elapsed_s: float) -> float:
     """Seconds until the ``remaining`` runs (their method labels) finish, learnt from the runs done: each
     remaining run takes its method's mean wall time so far (the mean over all methods where its method has not
     run yet), and the launcher gets through ``busy_s`` seconds of run time per ``elapsed_s`` seconds (its
@@ -52,7 +52,7 @@ class SweepProgress:
     def __init__(self, total: int, launcher: str = "", specs: Sequence = ()):
         self.total = total
         self.pending = {getattr(s, "dir", i): getattr(s, "method", "") for i, s in enumerate(specs)}
-        self.walls: Dict[str, List[float]] = {}
+        self.walls: dict[str, list[float]] = {}
         self.busy_s = 0.0
         self.result = Outcome()
         self.t0 = time.monotonic()

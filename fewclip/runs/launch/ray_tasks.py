@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Dict, List
 
-from fewclip.runs.launch.base import Launcher, LauncherError, gpus_for, register_launcher, require_extra
 from fewclip.config.sections import RayConfig
+from fewclip.runs.launch.base import Launcher, LauncherError, gpus_for, register_launcher, require_extra
 from fewclip.runs.launch.progress import SweepProgress
 from fewclip.runs.launch.worker import RunResult, RunSpec, execute_run, worker_setup
-
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +32,7 @@ def _task(spec: RunSpec, threads: int) -> RunResult:
     return execute_run(spec)
 
 
-def run_ray(cfg, specs: List[RunSpec], progress: SweepProgress, poll_s: float = 1.0) -> None:
+def run_ray(cfg, specs: list[RunSpec], progress: SweepProgress, poll_s: float = 1.0) -> None:
     ray = require_extra("ray")
     started = False
     if not ray.is_initialized():
@@ -57,8 +55,8 @@ def run_ray(cfg, specs: List[RunSpec], progress: SweepProgress, poll_s: float = 
         return remote.options(num_cpus=cfg.cpus_per_run, num_gpus=gpus_for(cfg, spec.trains_image_tower),
                               max_retries=cfg.max_retries, retry_exceptions=False).remote(spec, threads)
 
-    running: Dict[object, RunSpec] = {}
-    later: List = []  # (not before, spec): runs held by another launcher
+    running: dict[object, RunSpec] = {}
+    later: list = []  # (not before, spec): runs held by another launcher
     queue = list(specs)
     try:
         for spec in queue:

@@ -27,15 +27,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Optional
 
-from fewclip.runs.launch.base import Launcher, LauncherError, register_launcher, require_extra
 from fewclip.config.sections import SlurmConfig
+from fewclip.runs.launch.base import Launcher, LauncherError, register_launcher, require_extra
+from fewclip.runs.launch.local import cpu_count
 from fewclip.runs.launch.progress import Outcome, SweepProgress
 from fewclip.runs.launch.worker import RunResult, RunSpec, run_many
 from fewclip.runs.records import run_state
-from fewclip.runs.launch.local import cpu_count
-
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +43,13 @@ def describe_slurm(cfg: SlurmConfig) -> str:
     return f"SLURM ({cfg.cluster})"
 
 
-def chunks(specs: List[RunSpec], size: int) -> List[List[RunSpec]]:
+def chunks(specs: list[RunSpec], size: int) -> list[list[RunSpec]]:
     return [specs[i:i + size] for i in range(0, len(specs), size)]
 
 
-def sbatch_parameters(cfg) -> Dict[str, Any]:
+def sbatch_parameters(cfg) -> dict[str, Any]:
     """The sbatch settings of each array task, in submitit's SlurmExecutor names."""
-    p: Dict[str, Any] = {"job_name": cfg.job_name, "time": cfg.time_min, "cpus_per_task": cfg.cpus_per_task,
+    p: dict[str, Any] = {"job_name": cfg.job_name, "time": cfg.time_min, "cpus_per_task": cfg.cpus_per_task,
                          "mem": f"{cfg.mem_gb}GB", "array_parallelism": cfg.array_parallelism}
     if cfg.gpus_per_task:
         p["gpus_per_node"] = cfg.gpus_per_task  # one task per allocation: its GPUs
@@ -80,7 +79,7 @@ def submission_text(cfg, out: Path, tasks: int) -> str:
     return _make_sbatch_string(command=command, folder=folder, map_count=tasks, **sbatch_parameters(cfg))
 
 
-def dry_run(cfg, specs: List[RunSpec], *, out: Path) -> Outcome:
+def dry_run(cfg, specs: list[RunSpec], *, out: Path) -> Outcome:
     tasks = chunks(specs, cfg.runs_per_task)
     if not tasks:
         print("sweep: nothing to submit: every run is finished")
@@ -99,7 +98,7 @@ class OnceFilter(logging.Filter):
 
     def __init__(self):
         super().__init__()
-        self.seen: Set[str] = set()
+        self.seen: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
         key = re.sub(r"\d+", "#", record.getMessage())
@@ -143,7 +142,7 @@ def executor(cfg, out: Path):
     return ex
 
 
-def run_slurm(cfg, specs: List[RunSpec], progress: SweepProgress, *, out: Path, poll_s: float = 5.0) -> None:
+def run_slurm(cfg, specs: list[RunSpec], progress: SweepProgress, *, out: Path, poll_s: float = 5.0) -> None:
     tasks = chunks(specs, cfg.runs_per_task)
     if not tasks:
         return
@@ -157,7 +156,7 @@ def run_slurm(cfg, specs: List[RunSpec], progress: SweepProgress, *, out: Path, 
     log.info("sweep: submitted %d array task(s) (%s), %d run(s) each; submitit's files: %s", len(jobs),
              jobs[0].job_id.split("_")[0] if jobs else "-", cfg.runs_per_task, folder_of(cfg, out))
     pending = dict(zip(range(len(jobs)), zip(jobs, tasks)))
-    gone: Dict[int, int] = {}  # task -> polls it has been missing from the queue without a result
+    gone: dict[int, int] = {}  # task -> polls it has been missing from the queue without a result
     try:
         while pending:
             queued = queued_tasks(jobs[0].job_id.split("_")[0]) if cfg.cluster == "slurm" else None
@@ -189,7 +188,7 @@ def has_result(job) -> bool:
         return False
 
 
-def queued_tasks(array_id: str) -> Optional[Set[str]]:
+def queued_tasks(array_id: str) -> Optional[set[str]]:
     """The tasks (``ARRAY_TASK``) of the array job ``array_id`` that SLURM still holds (pending, running,
     completing), or None where squeue does not answer."""
     try:
@@ -202,7 +201,7 @@ def queued_tasks(array_id: str) -> Optional[Set[str]]:
     return {line.strip() for line in p.stdout.splitlines() if line.strip()}
 
 
-def _results(job, task: List[RunSpec]) -> List[RunResult]:
+def _results(job, task: list[RunSpec]) -> list[RunResult]:
     """A task's results, or, for a task that ended without them (cancelled, out of time), what its runs left."""
     reason = "it left the queue without a result (cancelled, out of time, or its node failed)"
     if has_result(job) or job.done():

@@ -19,20 +19,19 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Optional
 
-from fewclip.utils.progress import quiet_bars
-from fewclip.utils.errors import describe
-from fewclip.utils.explog import LogConfig, for_sweep_cell
-from fewclip.utils.errors import RunError
-from fewclip.runs.records import RECORD_KEY, claim_run, clear_run, read_metrics, run_state
-from fewclip.runs.run import load_train_config, run_train
 from fewclip.features.encode import FeatureCache
-from fewclip.runs.run import RunResources
 from fewclip.features.store import FeatureStore
+from fewclip.runs.records import RECORD_KEY, claim_run, clear_run, read_metrics, run_state
+from fewclip.runs.run import RunResources, load_train_config, run_train
+from fewclip.utils.errors import RunError, describe
+from fewclip.utils.explog import LogConfig, for_sweep_cell
+from fewclip.utils.progress import quiet_bars
 from fewclip.utils.threads import apply as apply_threads
 
 log = logging.getLogger(__name__)
@@ -47,7 +46,7 @@ class RunSpec:
 
     out: str  # the sweep's out directory (absolute)
     dir: str  # the run directory, relative to out
-    args: Tuple[str, ...]  # the run's key=value arguments (fewclip.runs.run.load_train_config)
+    args: tuple[str, ...]  # the run's key=value arguments (fewclip.runs.run.load_train_config)
     identity: Any  # fewclip.runs.records.Identity computed by the planner
     method: str
     backbone: str = ""
@@ -87,7 +86,7 @@ class WorkerContext:
     """What a worker process keeps between runs: the backbones, datasets and protocol plans it built
     (``fewclip.runs.run.RunResources``, keyed by their config) and its feature cache, backed by the feature store."""
 
-    _per_process: Dict[Optional[str], "WorkerContext"] = {}
+    _per_process: dict[Optional[str], WorkerContext] = {}
 
     def __init__(self, store: Optional[str] = None):
 
@@ -96,7 +95,7 @@ class WorkerContext:
         self.resources = RunResources()  # resources(cfg) -> (backbone, protocol plan), each built once
 
     @classmethod
-    def for_process(cls, store: Optional[str]) -> "WorkerContext":
+    def for_process(cls, store: Optional[str]) -> WorkerContext:
         """This process's context for a feature store (kept for the process's next runs)."""
         if store not in cls._per_process:
             cls._per_process[store] = cls(store)
@@ -176,7 +175,7 @@ def execute_run(spec: RunSpec, context: Optional[WorkerContext] = None, *, wait:
         lock.release()
 
 
-def _run(spec: RunSpec, context: WorkerContext, lock) -> Dict[str, Any]:
+def _run(spec: RunSpec, context: WorkerContext, lock) -> dict[str, Any]:
 
     cfg = load_train_config(list(spec.args))
     cfg.out = str(spec.path)
@@ -200,7 +199,7 @@ def worker_setup(threads: Optional[int] = None, log_level: str = "info", why: st
     logging.getLogger("fewclip").setLevel(getattr(logging, log_level.upper()))
 
 
-def run_many(specs: List[RunSpec], threads: Optional[int] = None) -> List[RunResult]:
+def run_many(specs: list[RunSpec], threads: Optional[int] = None) -> list[RunResult]:
     """Run several specs one after another in this process, waiting for runs held by others (a SLURM array
     task's work)."""
     if not specs:
