@@ -30,11 +30,11 @@ from fewclip.config.sweep import compose_sweep_config
 
 HEADER = "fewclip {command} options (key=value; defaults shown, `# ...` says what each does):\n"
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool, "Any": Any}
-_GENERIC = re.compile(r"(Optional|List)\[(.+)\]")
+_GENERIC = re.compile(r"(Optional|List|list)\[(.+)\]")
 
 
 def _type(text: str):
-    """A field annotation of the index (``int``, ``Optional[str]``, ``List[float]``) as a type, or None."""
+    """A field annotation of the index (``int``, ``Optional[str]``, ``List[float]``, ``list[float]``) as a type, or None."""
     text = text.strip()
     if text in _TYPES:
         return _TYPES[text]
