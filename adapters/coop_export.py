@@ -180,7 +180,7 @@ def _read_tensors(path: Path, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
     try:
         with safe_open(str(path), "pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as e:
+    except Exception as e:  # safetensors' own error types for a damaged file
         raise ExportError(f"prompt file {path} is damaged or not a safetensors file ({e})") from None
     _check_tensors(path, tensors, meta)
     return tensors

@@ -172,7 +172,7 @@ def load_lora_export(path: Path, meta: dict[str, Any], backbone) -> LoRAClassifi
     else:
         try:
             merged = load_file(str(path))
-        except Exception as e:
+        except Exception as e:  # safetensors' own error types for a damaged file
             raise ExportError(f"{path} is damaged or not a safetensors file ({e})") from None
         check_tensors(merged, str(path), ExportError, "; export the run again")
         check_digests(merged, meta.get("tensors_sha256"), str(path), ExportError, "; export the run again")

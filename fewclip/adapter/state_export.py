@@ -88,14 +88,31 @@ class AdapterClassifier(Classifier):
         return (f"AdapterClassifier({self.adapter.name}, {len(self.classnames)} classes, {self.backbone.name} "
                 f"[{self.geometry.name}])")
 
+    def _scores(self, raw: torch.Tensor) -> torch.Tensor:
+        """The adapter's logits, checked against the metadata's class list: a file whose tensors were made for
+        other classes (its metadata edited, or another run's) is an ExportError naming it, not a shape error
+        deep in the adapter."""
+        n = len(self.classnames)
+        try:
+            out = self.adapter(raw)
+        except RuntimeError as e:  # torch's shape errors; out-of-memory is not the file's fault
+            if "out of memory" in str(e).lower() or type(e).__name__ == "OutOfMemoryError":
+                raise
+            raise ExportError(f"{self.path}: its tensors do not fit the {n} classes its metadata lists "
+                              f"({str(e).splitlines()[0]}); export the run again") from None
+        if out.ndim != 2 or out.shape[1] != n:
+            raise ExportError(f"{self.path}: its tensors give {out.shape[-1]} class scores but its metadata lists "
+                              f"{n} classes; export the run again")
+        return out
+
     @torch.no_grad()
     def logits_from_features(self, raw: torch.Tensor) -> torch.Tensor:
-        return self.adapter(raw)
+        return self._scores(raw)
 
     @torch.no_grad()
     def logits(self, images, batch_size: int = 256) -> torch.Tensor:
         px = self.pixels(images)
-        outs = [self.adapter(self.adapter.encode_images(px[i : i + batch_size].to(self.backbone.device)))
+        outs = [self._scores(self.adapter.encode_images(px[i : i + batch_size].to(self.backbone.device)))
                 for i in range(0, len(px), batch_size)]
         return torch.cat(outs) if outs else torch.empty(0, len(self.classnames), device=self.backbone.device)
 

@@ -132,7 +132,7 @@ def read_checkpoint(path: str | Path) -> Any:
 
         try:
             return load_file(str(path), device="cpu")
-        except Exception as e:
+        except Exception as e:  # safetensors' own error types for a damaged or foreign file
             raise BackboneError(f"cannot read safetensors file {path}: {e}") from None
     if archive_prefix(path) is not None:
         try:
@@ -155,7 +155,7 @@ def read_checkpoint(path: str | Path) -> Any:
             f"reads .safetensors, torch files loadable with torch.load(weights_only=True) (tensors only) and "
             f"TorchScript archives (tensors only). {_conversion_hint(path, found.group(1) if found else '')}"
         ) from None
-    except Exception as e:
+    except Exception as e:  # torch.load raises many types (RuntimeError, EOFError, ...) for a damaged file
         raise BackboneError(
             f"cannot read weights file {path}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}. "
             f"fewclip reads .safetensors, torch files that hold only tensors, and TorchScript archives") from None
@@ -528,7 +528,7 @@ def read_card(path: str | Path) -> dict[str, Any]:
         raise BackboneError(f"backbone card not found: {path}")
     try:
         card = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    except Exception as e:
+    except Exception as e:  # YAML's and omegaconf's errors (any type) for a card that does not parse
         raise BackboneError(f"cannot parse backbone card {path}: {e}") from None
     if not isinstance(card, dict):
         raise BackboneError(f"backbone card {path} must be a YAML mapping")
@@ -566,8 +566,13 @@ def _card_model_config(card: dict[str, Any]) -> dict[str, Any]:
     p = Path(card["_dir"]) / card["model_config_file"]
     if not p.is_file():
         raise BackboneError(f"card {card['_path']}: model_config_file not found: {p}")
-    with open(p, encoding="utf-8") as f:
-        cfg = json.load(f)
+    try:
+        with open(p, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except ValueError as e:  # not JSON, or not UTF-8 text (UnicodeDecodeError is a ValueError)
+        raise BackboneError(f"card {card['_path']}: model_config_file {p} is not JSON ({e}); fix or replace it") from None
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("model_cfg", cfg), dict):
+        raise BackboneError(f"card {card['_path']}: model_config_file {p} is not a JSON object (a model config)")
     return cfg.get("model_cfg", cfg)
 
 
@@ -727,7 +732,7 @@ def load_card(card_path: str | Path, cfg: BackboneConfig) -> Backbone:
         )
     try:
         model = build_open_clip_model(model_cfg, card.get("image_tower"))
-    except Exception as e:
+    except Exception as e:  # open_clip/timm raise any type for a config they cannot build: it is the card's
         raise BackboneError(f"card {card['_path']}: cannot build the model from its config: {e}") from None
     if card.get("final_ln", True) is False:
         remove_final_ln(model)
@@ -928,7 +933,7 @@ def load_open_clip(cfg: BackboneConfig) -> Backbone:
         try:
             with quiet_open_clip():
                 model = open_clip.create_model(arch, pretrained=pretrained, cache_dir=cfg.cache_dir, weights_only=True)
-        except Exception as e:
+        except Exception as e:  # open_clip's download/load errors (RuntimeError, OSError, HTTP errors...)
             raise BackboneError(
                 f"could not load open_clip weights {arch}/{pretrained}: {e}. Without network access, download the "
                 f"checkpoint elsewhere and pass its path: backbone.pretrained=/path/to/open_clip_model.safetensors"

@@ -30,7 +30,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from fewclip.backbones.backbone import CARD_FILE, BackboneConfig, BackboneError, load_backbone, sha256_file
-from fewclip.utils.io import _umask, atomic_write_text
+from fewclip.utils.io import _umask, atomic_write_text, os_error_of
 from fewclip.utils.logs import quiet
 from fewclip.utils.registry import Registry
 
@@ -124,7 +124,10 @@ def import_checkpoint(fmt_name: str, checkpoint: str | Path, out: str | Path,
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         weights = {k: v.detach().cpu().contiguous().clone() for k, v in imported.weights.items()}
-        save_file(weights, str(tmp / "weights.safetensors"))
+        try:
+            save_file(weights, str(tmp / "weights.safetensors"))
+        except Exception as e:  # safetensors' own error type for a failed write (a full disk): the OSError it is
+            raise os_error_of(e, out / "weights.safetensors") or e
         card: dict[str, Any] = {"name": name or out.name, **imported.card}
         if imported.hf_tokenizer is not None:
             imported.hf_tokenizer.save_pretrained(str(tmp / "tokenizer"))
@@ -145,7 +148,13 @@ def import_checkpoint(fmt_name: str, checkpoint: str | Path, out: str | Path,
     except BackboneError as e:  # the card did not load back: say so about the user's file, not the temporary folder
         shutil.rmtree(tmp, ignore_errors=True)
         raise type(e)(name_users_file(str(e), tmp, checkpoint, fmt.name)) from None
-    except BaseException:
+    except OSError as e:  # (a full disk): about the card folder the user asked for, not the temporary one
+        shutil.rmtree(tmp, ignore_errors=True)
+        name = str(e.filename or "")
+        if name.startswith(str(tmp)):
+            raise OSError(e.errno, e.strerror, str(out) + name[len(str(tmp)):]) from e
+        raise
+    except BaseException:  # Ctrl-C included: no half-written card folder is left; the error goes on unchanged
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     backbone.source = str(out)

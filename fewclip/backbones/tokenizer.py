@@ -224,7 +224,7 @@ def load_hf_tokenizer(hub_id: str, folder: Union[str, Path, None], context_lengt
             raise TokenizerNotFound(f"cannot load the Hugging Face tokenizer {hub_id}: {problem}")
         try:
             oc = _open_clip_hf(folder, context_length, tokenizer_mode, kwargs)
-        except Exception as e:
+        except Exception as e:  # transformers' AutoTokenizer raises OSError, ValueError, KeyError... for a bad folder
             raise TokenizerNotFound(f"cannot load a Hugging Face tokenizer from {folder}: {type(e).__name__}: "
                                     f"{str(e).splitlines()[0] if str(e) else ''}") from None
         return HFTextTokenizer(oc, hub_id)
@@ -237,7 +237,7 @@ def load_hf_tokenizer(hub_id: str, folder: Union[str, Path, None], context_lengt
         if not problem:
             try:
                 oc = _open_clip_hf(Path(cached), context_length, tokenizer_mode, kwargs)
-            except Exception as e:
+            except Exception as e:  # transformers' errors for a damaged cache entry (any type): named, with the fix
                 raise TokenizerNotFound(
                     f"the Hugging Face tokenizer {hub_id} is in the local cache ({cached}) but cannot be loaded: "
                     f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
@@ -257,5 +257,5 @@ def _cached_snapshot(hub_id: str) -> str | None:
         from huggingface_hub import snapshot_download  # only for a tokenizer in the Hugging Face cache
 
         return snapshot_download(hub_id, local_files_only=True)
-    except Exception:
+    except Exception:  # huggingface_hub absent (ImportError) or not cached (LocalEntryNotFoundError...): none
         return None

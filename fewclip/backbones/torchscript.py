@@ -69,13 +69,29 @@ def _declarations(z: zipfile.ZipFile, prefix: str) -> dict[str, tuple[list[str],
         if not (name.startswith(code) and name.endswith(".py")):
             continue
         module = name[len(code):-len(".py")].replace("/", ".")
-        text = z.read(name).decode("utf-8")
+        try:
+            text = z.read(name).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise TorchScriptError(f"the archive's {name} is not UTF-8 text (byte {e.start}); the archive is "
+                                   f"damaged or not made by torch.jit.save") from None
         starts = [(m.start(), m.group(1)) for m in _CLASS.finditer(text)]
         for i, (pos, cls) in enumerate(starts):
             body = text[pos: starts[i + 1][0] if i + 1 < len(starts) else len(text)]
-            lists = {k: ast.literal_eval(v) for k, v in _DECL.findall(body)}
-            decls[f"{module}.{cls}"] = (list(lists.get("__parameters__", [])), list(lists.get("__buffers__", [])))
+            lists = {k: _names(v, f"{name}: class {cls}'s {k}") for k, v in _DECL.findall(body)}
+            decls[f"{module}.{cls}"] = (lists.get("__parameters__", []), lists.get("__buffers__", []))
     return decls
+
+
+def _names(text: str, where: str) -> list[str]:
+    """A declaration's list of names (``["weight", "bias", ]``), read as a literal; anything else is an error."""
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):  # what literal_eval raises on non-literals
+        value = None
+    if not isinstance(value, list) or not all(isinstance(n, str) and n for n in value):
+        raise TorchScriptError(f"{where} is not a list of names ({text[:60]!r}); the archive is damaged or not made "
+                               f"by torch.jit.save")
+    return value
 
 
 class _ScriptObject:
@@ -155,11 +171,14 @@ def read_torchscript_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     if not isinstance(root, _ScriptObject):
         raise TorchScriptError("the archive's data.pkl does not hold a TorchScript module")
     out: dict[str, torch.Tensor] = {}
-    _collect(root, "", decls, out)
+    _collect(root, "", decls, out, set())
     return out
 
 
-def _collect(obj: _ScriptObject, prefix: str, decls, out: dict[str, torch.Tensor]) -> None:
+def _collect(obj: _ScriptObject, prefix: str, decls, out: dict[str, torch.Tensor], above: set) -> None:
+    if id(obj) in above:  # a module that contains itself: a pickle can say so, torch.jit.save never does
+        raise TorchScriptError(f"the archive's module tree has a cycle at {prefix.rstrip('.') or 'the root'}; "
+                               f"the archive is damaged or not made by torch.jit.save")
     if obj.qualname not in decls:
         raise TorchScriptError(f"class {obj.qualname} has no declaration in the archive's code/")
     state = getattr(obj, "state", None)
@@ -175,4 +194,4 @@ def _collect(obj: _ScriptObject, prefix: str, decls, out: dict[str, torch.Tensor
         out[prefix + name] = value
     for name, value in state.items():
         if isinstance(value, _ScriptObject):
-            _collect(value, f"{prefix}{name}.", decls, out)
+            _collect(value, f"{prefix}{name}.", decls, out, above | {id(obj)})

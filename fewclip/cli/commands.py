@@ -237,9 +237,10 @@ def cmd_cache(args: Sequence[str]) -> int:
         return 0
     store = FeatureStore(root)
     if action == "clear":
-        removed = store.clear(backbone=opts.backbone, dataset=opts.dataset, root=opts.root)
-        size = sum(g.bytes for g in removed) / 2**20
-        print(f"removed {len(removed)} feature group(s), {size:.1f} MiB, from {root}")
+        cleared = store.clear(backbone=opts.backbone, dataset=opts.dataset, root=opts.root)
+        if cleared.removed_bytes or not cleared.kept:  # what it did; then, if anything is left, the error
+            print(cleared.summary(root))
+        cleared.check(root)
         return 0
     groups = [g for g in store.groups() if opts.backbone in (None, g.address.get("backbone"))
               and (opts.dataset is None or matches_dataset(g.address.get("dataset"), opts.dataset))
@@ -308,6 +309,8 @@ def cmd_export(args: Sequence[str]) -> int:
     device = options.pop("backbone.device", None)
     if len(paths) != 1:
         raise ConfigError(BY_NAME["export"].usage)
+    if out is not None and not str(out).strip():
+        raise ConfigError(f"-o (out=) is empty; give the path to write, or leave it out; {BY_NAME['export'].usage}")
     done = export_run(paths[0], out, device=device, **options)
     print(f"exported {done.adapter} run {paths[0]}\n" + done.summary())
     return 0

@@ -48,14 +48,16 @@ features in memory and the log says why once.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
 import os
 import shutil
+import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -66,6 +68,7 @@ from safetensors.torch import save_file
 from fewclip.data.image_fingerprint import changed, fingerprint, verify_mode
 from fewclip.features.address import FORMAT, VERSION, VIEW_CODE_VERSION, address, describe_transform  # noqa: F401
 from fewclip.utils import env
+from fewclip.utils.errors import RunFailure
 from fewclip.utils.io import atomic_write, atomic_write_text
 from fewclip.utils.locks import RunLock
 from fewclip.utils.tensor_checks import tensor_problem
@@ -275,7 +278,7 @@ class FeatureStore:
                     st = f.stat()
                     with safe_open(str(f), framework="pt") as sf:
                         images += int(sf.get_slice("x").get_shape()[0])
-                except Exception:
+                except Exception:  # safetensors' errors for a damaged entry, or OSError: not counted
                     continue
                 requests += 1
                 size += st.st_size
@@ -291,12 +294,12 @@ class FeatureStore:
                       and d.name != f"v{VERSION}")
 
     def clear(self, backbone: Optional[str] = None, dataset: Optional[str] = None,
-              root: Optional[str] = None) -> list[GroupInfo]:
+              root: Optional[str] = None) -> Cleared:
         """Remove every group (or those of ``backbone``, ``dataset`` and/or the data ``root``); returns what was
-        removed. ``dataset`` matches a dataset's name and its class views (``toy-objects`` also clears
-        ``toy-objects[base]``); ``root`` matches a dataset root and every root under it. Clearing everything
-        also removes the folders of older store formats."""
-        removed = []
+        removed and what could not be (a read-only store). ``dataset`` matches a dataset's name and its class
+        views (``toy-objects`` also clears ``toy-objects[base]``); ``root`` matches a dataset root and every
+        root under it. Clearing everything also removes the folders of older store formats."""
+        out = Cleared()
         for g in self.groups():
             if backbone is not None and g.address.get("backbone") != backbone:
                 continue
@@ -304,12 +307,90 @@ class FeatureStore:
                 continue
             if root is not None and not under_root(g.address.get("data_root"), root):
                 continue
-            shutil.rmtree(g.path, ignore_errors=True)
-            removed.append(g)
+            error = _remove_tree(g.path)
+            left = _shard_bytes(g.path)
+            if not left:  # no entry left (its folder may stay, emptied: a folder above that cannot be written)
+                out.removed.append(g)
+            else:
+                out.kept.append(g)
+                out.freed += g.bytes - left
+            out.error = out.error or error
         if backbone is None and dataset is None and root is None:
             for old in self.old_formats():
-                shutil.rmtree(old, ignore_errors=True)
-        return removed
+                error = _remove_tree(old)
+                if old.exists():
+                    out.kept_old.append(old)
+                    out.error = out.error or error
+        return out
+
+
+class StoreNotCleared(RunFailure):
+    """``fewclip cache clear`` could not remove what it was asked to (a read-only store)."""
+
+
+@dataclass
+class Cleared:
+    """What ``FeatureStore.clear`` removed: whole groups, and those it could not remove (``kept``, with the bytes
+    of their entries it did remove in ``freed`` and the first error in ``error``)."""
+
+    removed: list[GroupInfo] = field(default_factory=list)
+    kept: list[GroupInfo] = field(default_factory=list)
+    kept_old: list[Path] = field(default_factory=list)
+    freed: int = 0
+    error: Optional[tuple[str, OSError]] = None  # (the path that could not be removed, why)
+
+    @property
+    def removed_bytes(self) -> int:
+        return sum(g.bytes for g in self.removed) + self.freed
+
+    def summary(self, root: str | os.PathLike) -> str:
+        """What was removed, in one line (``fewclip cache clear``)."""
+        partly = f" (and {self.freed / 2**20:.1f} MiB of {len(self.kept)} other(s))" if self.freed else ""
+        return (f"removed {len(self.removed)} feature group(s), {self.removed_bytes / 2**20:.1f} MiB{partly}, "
+                f"from {root}")
+
+    def check(self, root: str | os.PathLike) -> None:
+        """Raise ``StoreNotCleared`` (one line: the folder, the cause, the fix) if anything asked for is left."""
+        if not (self.kept or self.kept_old or self.error):
+            return
+        path, e = self.error if self.error else (str(root), OSError(errno.EIO, "unknown error"))
+        if self.kept or self.kept_old:
+            kept_mib = (sum(g.bytes for g in self.kept) - self.freed) / 2**20
+            left = f"{len(self.kept)} feature group(s), {kept_mib:.1f} MiB, " if self.kept else ""
+            old = f"{len(self.kept_old)} folder(s) of an older store format " if self.kept_old else ""
+            what = f"could not remove {left}{'and ' if left and old else ''}{old}from {root}"
+        else:
+            what = f"removed the features but could not remove their emptied folder(s) from {root}"
+        if e.errno == errno.EROFS:
+            fix = "the store is on a read-only file system: clear it where it is mounted read-write"
+        else:
+            fix = "make the folder writable (chmod u+w) or clear it as its owner"
+        raise StoreNotCleared(f"{what}: {e.strerror or e} ({path}); {fix}, or point dir= (FEWCLIP_CACHE) at the "
+                              f"store you meant to clear")
+
+
+def _remove_tree(path: Path) -> Optional[tuple[str, OSError]]:
+    """Remove what can be removed under ``path``; the first failure (the path, and a read-only file system or a
+    folder without write permission), or None."""
+    errors: list[tuple[str, OSError]] = []
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=lambda func, p, e: errors.append((p, e)))
+    else:
+        shutil.rmtree(path, onerror=lambda func, p, info: errors.append((p, info[1])))
+    return next((e for e in errors if not isinstance(e[1], FileNotFoundError)), None)  # gone meanwhile: fine
+
+
+def _shard_bytes(folder: Path) -> Optional[int]:
+    """The bytes of the entries still in a group ``folder``; None when the folder is gone."""
+    if not folder.exists():
+        return None
+    total = 0
+    for f in folder.glob("*.safetensors"):
+        try:
+            total += f.stat().st_size
+        except OSError:
+            continue
+    return total
 
 
 def matches_dataset(name: Optional[str], wanted: str) -> bool:

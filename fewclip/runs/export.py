@@ -104,7 +104,7 @@ def export_run(run_dir: Union[str, Path], out: Union[str, Path, None] = None, *,
         with safe_open(str(weights), "pt") as f:
             trained_on = (f.metadata() or {}).get("weights_sha256")
         sd = load_file(str(weights))
-    except Exception as e:
+    except Exception as e:  # safetensors' own error types for a damaged file (SafetensorError, ...)
         raise ExportError(f"cannot read {weights}: {e}") from None
     if trained_on and backbone.weights_sha256 and trained_on != backbone.weights_sha256:
         raise ExportError(f"run {run_dir} was trained on backbone weights with sha256 {trained_on[:16]}... but "
@@ -120,5 +120,11 @@ def export_run(run_dir: Union[str, Path], out: Union[str, Path, None] = None, *,
     run = {"dir": str(run_dir), "dataset": split.dataset or cfg.data.name, "shots": cfg.shots, "seed": cfg.seed,
            "top1": metrics.get("top1")}
     out = Path(out) if out is not None else run_dir / fmt.default_path
-    meta = fmt.write(adapter, out, export_metadata(adapter, fmt, backbone_cfg=cfg.backbone, run=run), **options)
+    try:
+        meta = fmt.write(adapter, out, export_metadata(adapter, fmt, backbone_cfg=cfg.backbone, run=run), **options)
+    except IsADirectoryError as e:  # -o FOLDER for a format that writes one file
+        if e.filename is None or Path(e.filename) != out:
+            raise
+        raise ExportError(f"-o {out} is a folder; a {name} export is one file: give a file path, e.g. "
+                          f"{out / Path(fmt.default_path).name}") from None
     return Exported(out, meta, name)

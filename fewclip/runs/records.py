@@ -36,6 +36,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import socket
 import time
@@ -368,10 +369,17 @@ def prepare_dir(path: str | os.PathLike, what: str = "out") -> Path:
     return path
 
 
+# safetensors (>= 0.6) writes a file through Rust's tempfile crate: ".tmp" and 6 random letters or digits in the
+# target's folder, renamed into place when complete. A process killed meanwhile leaves that file (a whole copy
+# of the tensors) under a name no fewclip write uses; it is a leftover like fewclip's own ".NAME.XXXX.tmp".
+_SAFETENSORS_TMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
+
+
 def is_leftover(name: str) -> bool:
-    """A temporary file of an interrupted atomic write, or of a lock being created or broken."""
-    return (name.startswith(".") and name.endswith(".tmp")) or (name.startswith(LOCK_FILE + ".")
-                                                                and name.endswith((".tmp", ".broken")))
+    """A temporary file of an interrupted atomic write (fewclip's or safetensors' own, inside it), or of a lock
+    being created or broken."""
+    return ((name.startswith(".") and name.endswith(".tmp")) or _SAFETENSORS_TMP.fullmatch(name) is not None
+            or (name.startswith(LOCK_FILE + ".") and name.endswith((".tmp", ".broken"))))
 
 
 def remove_leftovers(folder: str | os.PathLike) -> int:
@@ -530,6 +538,7 @@ def open_run(run_dir: str | os.PathLike, identity: Identity, *, overwrite: bool 
     try:
         state = run_state(run_dir, identity)
         if state.finished and not overwrite:
+            remove_leftovers(run_dir)  # of a process killed after it finished (an export, say); we hold the lock
             yield Run(run_dir, identity, lock, done=True, metrics=state.metrics)
             return
         if state.holds_results and not overwrite:

@@ -254,7 +254,7 @@ def _in_run(e: Exception, r: dict[str, Any]) -> Exception:
     """The same error with the run named in its message."""
     try:
         return type(e)(f"sweep run {r['dir']}: {e}")
-    except Exception:
+    except Exception:  # an error type whose constructor takes other arguments: keep it as it was
         return e
 
 

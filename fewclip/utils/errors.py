@@ -52,6 +52,11 @@ def take_debug_flag(args: Sequence[str]) -> tuple[bool, list[str]]:
     return env or len(rest) != len(args), rest
 
 
+# OSErrors about the shape of a path the user gave (a folder where a file goes, a file in the way, a link loop,
+# a name too long): bad input, exit 2. A full disk, a read-only or unwritable folder: a failed run, exit 1.
+PATH_ERRORS = (errno.EISDIR, errno.ENOTDIR, errno.EEXIST, errno.ELOOP, errno.ENAMETOOLONG)
+
+
 def os_error_message(e: OSError) -> str:
     """An OSError as the problem and what to do about it."""
     name = e.filename
@@ -76,6 +81,8 @@ def os_error_message(e: OSError) -> str:
     if code == errno.EEXIST:
         return (f"{name} already exists and is in the way (a file where a folder is needed?); move it or choose "
                 f"another path")
+    if code == errno.ENAMETOOLONG:
+        return f"file name too long: {name}; choose a shorter path"
     if code == errno.ENOENT:
         return f"no such file or folder: {name}" if name else f"{e.strerror}"
     return f"{e.strerror or e}{':' + at if at else ''}"
@@ -85,8 +92,8 @@ def describe(e: BaseException) -> tuple[str, int]:
     """(message, exit code) for an error that ended a command."""
     if isinstance(e, FewclipError):
         return str(e), e.exit_code
-    if isinstance(e, OSError):
-        return os_error_message(e), 1
+    if isinstance(e, OSError):  # a path that cannot be what it must be is a bad input; the rest, a failed run
+        return os_error_message(e), 2 if e.errno in PATH_ERRORS else 1
     if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":  # torch's CUDA OOM too
         return "out of memory: use smaller batches (data.batch_size=..., train.batch_size=...) or a smaller backbone", 1
     return (f"unexpected {type(e).__name__}: {e}. This is likely a bug in fewclip: rerun with {DEBUG_FLAG} (or "

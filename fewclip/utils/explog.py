@@ -119,15 +119,32 @@ class LogConfig:
             raise ValueError(f"log.every_n_steps must be >= 1, got {self.every_n_steps}")
 
 
+_BROKEN: dict[str, str] = {}  # backend -> why its installed library failed to import (said once per process)
+
+
 def check(cfg: LogConfig) -> None:
-    """Fail before any work (an ExpLogError, exit 2) when a backend's library is not installed."""
+    """Fail before any work (an ExpLogError, exit 2) when a backend's library is not installed. One that is
+    installed but fails to import is one warning, and the runs go on without that backend (``open_backends``
+    leaves it out): logging never stops a run."""
     for name in cfg.backends:
         module, extra = BACKENDS[name]
         try:
             importlib.import_module(module)
-        except ImportError:
-            raise ExpLogError(f"log={name} needs {module}, which is not installed: pip install "
-                              f"\"fewclip[{extra}]\"") from None
+            _BROKEN.pop(name, None)
+            continue
+        except ModuleNotFoundError as e:  # absent (a bad input), or a dependency of it absent (broken: below)
+            if e.name == module:  # the library itself is absent: the user asked for it, so say how to get it
+                raise ExpLogError(f"log={name} needs {module}, which is not installed: pip install "
+                                  f"\"fewclip[{extra}]\"") from None
+            why = _one_line(e)
+        # An installed library whose import fails (a dependency of the wrong version, a damaged install, a
+        # sys.exit in its import) can raise anything: it is that library's failure, never a reason to stop a run.
+        except (Exception, SystemExit) as e:  # see above: an installed library failing on import
+            why = _one_line(e)
+        if _BROKEN.get(name) != why:
+            log.warning("log=%s: importing %s failed (%s); the runs go on without it (reinstall it: pip install "
+                        "--force-reinstall \"fewclip[%s]\")", name, module, why, extra)
+        _BROKEN[name] = why
 
 
 def for_sweep_cell(sweep: Optional[LogConfig], own: LogConfig, sweep_out: str | os.PathLike, cell: str) -> LogConfig:
@@ -328,7 +345,7 @@ class ExpLogger:
         for b in list(self.backends):
             try:
                 b.close(failed)
-            except Exception as e:
+            except Exception as e:  # wandb's or tensorboard's, any type: logging never stops a run
                 log.warning("log=%s: closing failed (%s); the run's results are not affected", b.name, _one_line(e))
         self.backends = []
 
@@ -348,6 +365,8 @@ def open_backends(cfg: LogConfig, out: Path, config: Mapping[str, Any], config_y
     name = cfg.name or Path(out).resolve().name
     backends: list[Backend] = []
     for b in cfg.backends:
+        if b in _BROKEN:  # its library fails to import: said once by check()
+            continue
         try:
             if b == "tensorboard":
                 backends.append(TensorBoardBackend(base / "tensorboard" / name, config_yaml))

@@ -9,6 +9,7 @@ finished-run record in ``fewclip.runs.records`` relies on).
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -50,11 +51,27 @@ def _fsync_file(path: str) -> None:
 _OS_ERROR = re.compile(r"os error (\d+)")
 
 
+def os_error_of(e: BaseException, path: str | os.PathLike) -> OSError | None:
+    """The OSError behind ``e``, naming ``path``, where ``e`` is a writer's own error type for a failed write:
+    writers in other languages (safetensors) say "(os error N)" in the message. None for any other error."""
+    m = _OS_ERROR.search(str(e))
+    if not m:
+        return None
+    out = OSError(int(m.group(1)), os.strerror(int(m.group(1))), str(path))
+    out.__cause__ = e
+    return out
+
+
 def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
     """Call ``write(tmp_path)`` and move the result to ``path`` atomically (data and entry fsynced)."""
     path = Path(path)
+    if path.is_dir():  # else the rename would fail naming the temporary file, not the path the user gave
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:  # the folder cannot take a new file: name the file the caller asked for
+        raise OSError(e.errno, e.strerror, str(path)) from e
     os.close(fd)
     try:
         try:
@@ -63,17 +80,15 @@ def atomic_write(path: str | os.PathLike, write: Callable[[str], None]) -> Path:
             if e.filename is None:  # name the file for the message (a full disk, a size limit)
                 raise OSError(e.errno, e.strerror, str(path)) from e
             raise
-        except Exception as e:
-            # Writers in other languages (safetensors) report a failed write as their own error type with
-            # "(os error N)" in the message; make it the OSError it is, so the cause is named.
-            m = _OS_ERROR.search(str(e))
-            if m:
-                raise OSError(int(m.group(1)), os.strerror(int(m.group(1))), str(path)) from e
-            raise
+        except Exception as e:  # a writer's own type for a failed write (safetensors'): the OSError it is
+            raise os_error_of(e, path) or e
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp creates 0600; results are ordinary files
         _fsync_file(tmp)
-        os.replace(tmp, path)
-    except BaseException:
+        try:
+            os.replace(tmp, path)
+        except OSError as e:  # (a folder made at path meanwhile, ...): name the path, not the temporary file
+            raise OSError(e.errno, e.strerror, str(path)) from e
+    except BaseException:  # Ctrl-C included: never leave the temporary file; the error goes on unchanged
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise

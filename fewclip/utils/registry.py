@@ -101,19 +101,25 @@ class Registry(Generic[T]):
         try:
             # fewclip's own entries first, so a plugin claiming one of their names fails in its own import.
             for ep in sorted(_entry_points(self.group), key=lambda ep: not _builtin(ep.value)):
+                # Another package's code runs here (its module's import, then its register callable): anything it
+                # raises, SystemExit included (a plugin that calls sys.exit() on import would otherwise end every
+                # command with its exit code and no message), is that plugin failing, named as such. Ctrl-C is not.
                 try:
                     obj = ep.load()
+                    if callable(obj) and not isinstance(obj, type) and not hasattr(obj, "__path__"):
+                        obj()
                 except DuplicateNameError as e:  # its message already names the plugin at fault
                     raise PluginError(f"{e} (entry point {ep.name!r} = {ep.value}, group {self.group!r})") from e
-                except Exception as e:  # a broken plugin: name it, do not hide it
-                    raise PluginError(
-                        f"the {self.kind} plugin {ep.name!r} ({ep.value}, entry point group {self.group!r}) failed "
-                        f"to load: {type(e).__name__}: {e}. Fix or uninstall the package that provides it") from e
-                if callable(obj) and not isinstance(obj, type) and not hasattr(obj, "__path__"):
-                    obj()
+                except (Exception, SystemExit) as e:  # another package's code: see above
+                    raise PluginError(self._failed(ep, e)) from e
             self._loaded = True
         finally:
             self._loading = False
+
+    def _failed(self, ep, e: BaseException) -> str:
+        what = f"called sys.exit({e.code!r})" if isinstance(e, SystemExit) else f"{type(e).__name__}: {e}"
+        return (f"the {self.kind} plugin {ep.name!r} ({ep.value}, entry point group {self.group!r}) failed to load: "
+                f"{what}. Fix or uninstall the package that provides it")
 
     def refresh(self) -> None:
         """Look at the entry points again (a package installed since this process first asked): new plugins

@@ -78,7 +78,14 @@ def resolve_model(options: dict[str, str]) -> tuple[dict[str, Any], dict[str, An
         p = Path(options["model_config"])
         if not p.is_file():
             raise CheckpointImportError(f"model_config file not found: {p}")
-        raw = json.loads(p.read_text(encoding="utf-8"))
+        try:
+            raw = json.loads(p.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as e:  # not JSON, or not text (UnicodeDecodeError is a ValueError)
+            raise CheckpointImportError(f"model_config={p} is not a JSON model config ({_why(e)}); give the "
+                                        f"open_clip model-config JSON the checkpoint was trained with") from None
+        if not isinstance(raw, dict) or not isinstance(raw.get("model_cfg", raw), dict):
+            raise CheckpointImportError(f"model_config={p} holds {type(raw).__name__} JSON, not a model config "
+                                        f"(an object with embed_dim, vision_cfg and text_cfg)")
         cfg, final_ln = _translate_final_layernorm(raw.get("model_cfg", raw), str(p))
         return {"model_config": cfg}, cfg, final_ln, [f"architecture: model config {p}"]
     name = options["model"]
@@ -93,6 +100,12 @@ def resolve_model(options: dict[str, str]) -> tuple[dict[str, Any], dict[str, An
                 [f"architecture: {name} = open_clip {base} without the final LayerNorms (the EuCLIP fork's config)"])
     raise CheckpointImportError(f"model={name} is not an open_clip architecture (`fewclip backbones --all` lists "
                                 f"them); for a config of your own give model_config=FILE.json")
+
+
+def _why(e: Exception) -> str:
+    if isinstance(e, json.JSONDecodeError):
+        return f"line {e.lineno} column {e.colno}: {e.msg}"
+    return "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else str(e)
 
 
 def check_final_ln(sd: dict[str, torch.Tensor], final_ln: bool, model_name: Optional[str], path: Path, fmt: str):

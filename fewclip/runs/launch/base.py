@@ -49,9 +49,18 @@ def require_extra(launcher: str):
     module, extra = EXTRAS[launcher]
     try:
         return importlib.import_module(module)
-    except ImportError:
+    except ModuleNotFoundError as e:  # the library itself is absent: how to install it
+        if e.name != module.split(".")[0] and e.name != module:
+            raise LauncherError(f"launcher={launcher}: {module} is installed but fails to import ({e}); reinstall "
+                                f"it: pip install --force-reinstall \"fewclip[{extra}]\"") from None
         raise LauncherError(f"launcher={launcher} needs {module}, which is not installed: "
                             f"pip install \"fewclip[{extra}]\"") from None
+    # Installed but broken (a dependency of the wrong version, a damaged install): the library's import can raise
+    # anything. A sweep cannot run without its launcher, so it is an error naming the library, not fewclip's bug.
+    except (Exception, SystemExit) as e:  # see above
+        why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        raise LauncherError(f"launcher={launcher}: {module} is installed but fails to import ({why}); reinstall "
+                            f"it: pip install --force-reinstall \"fewclip[{extra}]\"") from None
 
 
 def check_launcher(cfg: LauncherConfig) -> None:

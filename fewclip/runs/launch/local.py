@@ -47,7 +47,7 @@ def visible_gpus() -> list[str]:
         return [g.strip() for g in env.split(",") if g.strip() and g.strip() != "-1"]
     try:
         return [str(i) for i in range(torch.cuda.device_count())]
-    except Exception:
+    except Exception:  # a broken CUDA driver makes torch raise (RuntimeError...): no GPU to use
         return []
 
 

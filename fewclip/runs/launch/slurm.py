@@ -184,7 +184,7 @@ def run_slurm(cfg, specs: list[RunSpec], progress: SweepProgress, *, out: Path, 
 def has_result(job) -> bool:
     try:
         return Path(job.paths.result_pickle).exists()
-    except Exception:
+    except Exception:  # submitit's job paths can raise for a job it no longer knows: no result
         return False
 
 

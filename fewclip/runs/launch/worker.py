@@ -15,9 +15,11 @@ does not expect (the run is cleared and reported failed, naming the cause).
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -111,12 +113,70 @@ class _ToRoot(logging.Handler):
                 h.handle(record)
 
 
+class RunLogFile(logging.FileHandler):
+    """A run's log file that never stops the run nor prints logging's own traces: the first write, flush, open
+    or close that fails (a full disk, a quota, a file size limit) is said once, as one warning naming the file
+    and the cause; the rest of that log is dropped, and closing the handler never raises."""
+
+    def __init__(self, path: Path):
+        self.failed: Optional[BaseException] = None
+        super().__init__(path, mode="w", encoding="utf-8")
+        if self.failed is not None:  # not opened: logging.StreamHandler took sys.stderr instead, which is not ours
+            self.stream = None
+
+    def _fail(self, e: Optional[BaseException]) -> None:
+        if self.failed is not None:
+            return
+        self.failed = e or RuntimeError("unknown error")
+        code = getattr(e, "errno", None)
+        why = ("disk full (or quota exceeded)" if code in (errno.ENOSPC, getattr(errno, "EDQUOT", -1))
+               else os.strerror(code) if code else f"{type(e).__name__}: {e}")
+        stream, self.stream = getattr(self, "stream", None), None  # (none yet when the open failed)
+        if stream is not None:
+            try:
+                stream.close()  # the buffered text cannot reach the file either; its descriptor is released
+            except Exception:  # the same write error again (OSError), or anything a stream raises: said already
+                pass
+        message = f"log file {self.baseFilename} could not be written: {why}; the run goes on without its log"
+        record = logging.LogRecord(log.name, logging.WARNING, __file__, 0, message, None, None)
+        for h in logging.getLogger().handlers:  # the terminal (the fewclip logger does not propagate meanwhile)
+            if record.levelno >= h.level:
+                h.handle(record)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.failed is None:
+            super().emit(record)  # logging.StreamHandler.emit hands any exception to handleError below
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        self._fail(sys.exc_info()[1])
+
+    def _open(self):
+        try:
+            return super()._open()
+        except OSError as e:  # a read-only or full folder: the run itself says what it cannot write
+            self._fail(e)
+            return None
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except OSError as e:
+            self._fail(e)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError as e:  # the last buffered lines could not be written: never a dead worker for a log
+            self._fail(e)
+
+
 @contextmanager
 def run_log(path: Path, level: str = "info", echo: str = "warning") -> Iterator[None]:
     """Send the ``fewclip`` loggers' records to ``path`` (overwritten) while a run executes; only records of
-    level ``echo`` and above also reach the terminal (the launcher prints one line per run)."""
+    level ``echo`` and above also reach the terminal (the launcher prints one line per run). A log that cannot
+    be written (a full disk) is said once and the run goes on (``RunLogFile``)."""
     logger = logging.getLogger("fewclip")
-    handler = logging.FileHandler(path, mode="w", encoding="utf-8")
+    handler = RunLogFile(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S"))
     handler.setLevel(getattr(logging, level.upper()))
     forward = _ToRoot(getattr(logging, echo.upper()))
