@@ -156,7 +156,7 @@ def run_worker(cfg: BenchConfig) -> dict:
     if authors:
         prompts.set_text_mode("faithful")
     params = adapter.trainable_parameters()
-    groups = adapter.param_groups() if hasattr(adapter, "param_groups") else params
+    groups = adapter.param_groups() or params
     opt = make_optimizer(groups, TrainConfig(**adapter.train_defaults))
     B, S = cfg.batch, bb.image_size
     pixels = torch.randn(B, 3, S, S, device=dev)

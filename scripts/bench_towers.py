@@ -146,7 +146,7 @@ def run_worker(cfg: BenchConfig) -> dict:
     bb = load_backbone(BackboneConfig(name=cfg.arch, pretrained=None if is_card else "none", device=cfg.device))
     adapter = build(method, procedure, bb, classnames(cfg.classes, bb.tokenizer))
     params = adapter.trainable_parameters()
-    groups = adapter.param_groups() if hasattr(adapter, "param_groups") else params  # SkipTuning's staged lr
+    groups = adapter.param_groups() or params  # SkipTuning's staged lr
     opt = make_optimizer(groups, TrainConfig(**{k: v for k, v in adapter.train_defaults.items()
                                                if k != "iterations_per_shot"}))
     B, S = cfg.batch, bb.image_size

@@ -23,8 +23,7 @@ def tiny():
 def one_step(adapter, features, labels, lr, optimizer="sgd", **extra):
     """One step as fewclip's engine takes it at the base learning rate (no warm-up): its optimiser over the
     adapter's parameter groups, each at lr x its lr_scale."""
-    opt = make_optimizer(adapter.param_groups() if hasattr(adapter, "param_groups") else
-                         adapter.trainable_parameters(), TrainConfig(lr=lr, optimizer=optimizer))
+    opt = make_optimizer(adapter.param_groups() or adapter.trainable_parameters(), TrainConfig(lr=lr, optimizer=optimizer))
     for g in opt.param_groups:
         g["lr"] = cosine_lr(0, 10, 0, lr * g.get("lr_scale", 1.0), 1e-5)
     terms = adapter.training_loss(features, labels, **extra)
