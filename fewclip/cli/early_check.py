@@ -61,7 +61,7 @@ def check_adapter(args: Sequence[str]) -> None:
     from fewclip.config.compose import section_name_of
     from fewclip.utils.registry import UnknownNameError
 
-    if "fewclip.adapter" in sys.modules:  # the registry is live in this process (a method registered in Python)
+    if "fewclip.adapter.base" in sys.modules:  # the registry is live in this process (a method registered in Python)
         return
     name = section_name_of(args, "adapter", "coop")
     index = load_index()

@@ -262,6 +262,7 @@ def run_train(cfg: TrainRunConfig, out: Path, *, backbone: Optional[Backbone] = 
     is also logged (``fewclip.utils.explog``). Classes with identical prompts are a warning before the run
     (``report_prompts``; a sweep warns once for all its runs and passes False) and ``identical_prompts`` in
     metrics.json."""
+    check_log(cfg.log)  # a missing logging library fails before any work, and before any line
     settle_threads(setting=cfg.threads)  # a sweep's worker has chosen already; a lone run chooses here
     log.info("run %s: %s", out, thread_words())
     with step(f"run {out}", announce=False, logger=log):  # the heartbeat covers every phase of the run

@@ -3,7 +3,7 @@ listing classes out of label order, classes of exactly k and fewer than k images
 import json
 from pathlib import Path
 
-FIXTURE = Path(__file__).parent / "fixtures" / "coop_fewshot"
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "coop_fewshot"
 REF = json.loads((FIXTURE / "draws.json").read_text())
 DATASETS = sorted(REF["datasets"])
 
