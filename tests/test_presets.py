@@ -84,13 +84,13 @@ def test_authors_preset_is_what_the_parity_tests_run(name):
     plain, authors = load_train_config([f"adapter={name}"]), with_preset(name, "authors")
     if name in PARITY_BY_PRESET:
         assert preset.settings
-        source = (Path(__file__).parent / f"{PARITY_BY_PRESET[name]}.py").read_text()
+        source = (Path(__file__).parent / "parity" / f"{PARITY_BY_PRESET[name]}.py").read_text()
         assert f'authors_config("{name}"' in source
     else:
         assert not preset.settings, f"{name}: move its parity test onto the preset (authors_config)"
         assert (authors.adapter, authors.train) == (plain.adapter, plain.train)
     if name == "clap":  # the authors' ZS-LP baseline: CLAP's parity test runs it through preset=zslp
-        assert '"zslp"' in (Path(__file__).parent / "test_cache_parity.py").read_text()
+        assert '"zslp"' in (Path(__file__).parent / "parity" / "test_cache_parity.py").read_text()
         assert with_preset("clap", "zslp").adapter.constraint == "none"
 
 
