@@ -61,7 +61,7 @@ def check_adapter(args: Sequence[str]) -> None:
 
     from fewclip.adapter.index import load_index
     from fewclip.config.compose import section_name_of
-    from fewclip.utils.registry import UnknownNameError
+    from fewclip.utils.registry import UnknownNameError, is_builtin
 
     if "fewclip.adapter.base" in sys.modules:  # the registry is live in this process (a method registered in Python)
         return
@@ -69,7 +69,7 @@ def check_adapter(args: Sequence[str]) -> None:
     index = load_index()
     if not index or name in index:
         return
-    if any(not ep.value.startswith("fewclip") for ep in importlib.metadata.entry_points(group="fewclip.adapters")):
+    if any(not is_builtin(ep.value.split(":")[0]) for ep in importlib.metadata.entry_points(group="fewclip.adapters")):
         return
     close = difflib.get_close_matches(name, list(index), n=3, cutoff=0.6)
     hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""

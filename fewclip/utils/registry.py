@@ -44,7 +44,7 @@ class DuplicateNameError(InputError):
     """A name registered twice; the message names the plugin to change."""
 
 
-def _builtin(module: str) -> bool:
+def is_builtin(module: str) -> bool:
     """Whether ``module`` is part of fewclip itself (not a plugin)."""
     return module == "fewclip" or module.startswith("fewclip.")
 
@@ -82,7 +82,7 @@ class Registry(Generic[T]):
     def _duplicate(self, name: str, first: str, second: str) -> str:
         """The message for ``name`` registered by ``first`` and then by ``second``: where one of them is fewclip's
         own, the other (a plugin) is the one to rename, whichever was imported first."""
-        plugin = [s for s in (first, second) if not _builtin(s)]
+        plugin = [s for s in (first, second) if not is_builtin(s)]
         if len(plugin) == 1:
             return (f"the {self.kind} name {name!r} is fewclip's own; the plugin module {plugin[0]} registers it "
                     f"again: rename it in that plugin (or uninstall the package that provides it)")
@@ -100,7 +100,7 @@ class Registry(Generic[T]):
         self._loading = True
         try:
             # fewclip's own entries first, so a plugin claiming one of their names fails in its own import.
-            for ep in sorted(_entry_points(self.group), key=lambda ep: not _builtin(ep.value)):
+            for ep in sorted(_entry_points(self.group), key=lambda ep: not is_builtin(ep.value)):
                 # Another package's code runs here (its module's import, then its register callable): anything it
                 # raises, SystemExit included (a plugin that calls sys.exit() on import would otherwise end every
                 # command with its exit code and no message), is that plugin failing, named as such. Ctrl-C is not.
