@@ -11,6 +11,7 @@ from fewclip.datasets import make_few_shot_split
 from fewclip.features.encode import Features, extract_features, text_prototypes
 from fewclip.runs.run import load_train_config
 from fewclip.training.engine import FitData, TrainConfig
+from helpers.configs import small_config
 
 BACKBONES = ["toy-clip", "toy-meru"]  # clip and hyperbolic geometry
 
@@ -40,7 +41,7 @@ def test_every_adapter(name, backbone_name, toy, shapes, tmp_path):
     templates = shapes.prompts("ensemble")
     C = len(shapes.classnames)
 
-    adapter = build_adapter(info.config_cls(), bb, shapes.classnames, templates,
+    adapter = build_adapter(small_config(name), bb, shapes.classnames, templates,
                             generator=torch.Generator().manual_seed(0))
     assert isinstance(adapter, info.adapter_cls) and adapter.name == name
     logits = adapter(test_x)
@@ -99,7 +100,7 @@ def test_every_adapter(name, backbone_name, toy, shapes, tmp_path):
     path = tmp_path / "adapter.safetensors"
     save_file(sd, str(path))
 
-    fresh = build_adapter(info.config_cls(), bb, shapes.classnames, templates,  # another init, where there is one
+    fresh = build_adapter(small_config(name), bb, shapes.classnames, templates,  # another init, where there is one
                           generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert not torch.equal(fresh(test_x), trained)

@@ -14,6 +14,7 @@ from fewclip.backbones.geometry import exp_map0, make_geometry
 from fewclip.features.encode import FeatureCache, Features
 from fewclip.features.store import FeatureStore
 from fewclip.training.engine import AMP_MODES, CachedFeatures, FeatureSource, FitData, TrainConfig, amp_autocast, amp_dtype, train_loop
+from helpers.configs import small_config
 from helpers.audit import CLASSNAMES, GEOMETRY_NAMES, TEMPLATES, backbones  # noqa: F401  (fixture)
 
 CPU = torch.device("cpu")
@@ -54,7 +55,7 @@ def _train_two_steps(name, bb, amp):
     info = adapter_info(name)
     gen = torch.Generator().manual_seed(0)
     px = torch.randn(6, 3, bb.image_size, bb.image_size, generator=gen)
-    adapter = build_adapter(info.config_cls(), bb, CLASSNAMES, TEMPLATES, generator=torch.Generator().manual_seed(0))
+    adapter = build_adapter(small_config(name), bb, CLASSNAMES, TEMPLATES, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # the features the method takes (ProLIP: the image tower's before its projection)
         x = adapter.feature_tower().encode_images(px)
     y = torch.arange(6) % len(CLASSNAMES)

@@ -25,6 +25,7 @@ from fewclip.backbones.geometry import GEOMETRIES
 from fewclip.features.encode import Features
 from fewclip.training.device_audit import DataDependentOutputException, DeviceAuditError, FakeDevice, is_fake
 from fewclip.training.engine import FitData, TrainConfig
+from helpers.configs import small_config
 from helpers.audit import CLASSNAMES, GEOMETRY_NAMES, TEMPLATES, backbones  # noqa: F401
 
 
@@ -56,7 +57,7 @@ def _no_seed_draw():
 
 def _fitted_state(info, bb, x, y):
     """A fit-trained method fitted on the CPU, as the run does it; its state dict."""
-    adapter = build_adapter(info.config_cls(), bb, CLASSNAMES, TEMPLATES, generator=torch.Generator().manual_seed(0))
+    adapter = build_adapter(small_config(info.name), bb, CLASSNAMES, TEMPLATES, generator=torch.Generator().manual_seed(0))
     views = [Features(x, y)] * adapter.fit_views()
     adapter.fit(FitData(Features(x, y), views, Features(x, y), TrainConfig(), 2, torch.Generator().manual_seed(0)))
     return adapter, adapter.adapter_state_dict()
@@ -66,12 +67,12 @@ def audit_method(name: str, bb, tmp_path) -> dict:
     """Run the three paths of method ``name`` on ``bb`` moved to a fake CUDA device; returns what ran."""
     info = adapter_info(name)
     px, x, y = _data(bb)
-    probe = build_adapter(info.config_cls(), bb, CLASSNAMES, TEMPLATES, generator=torch.Generator().manual_seed(0))
+    probe = build_adapter(small_config(info.name), bb, CLASSNAMES, TEMPLATES, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # the features the method takes (ProLIP: the image tower's before its projection)
         x = probe.feature_tower().encode_images(px)
     cpu_adapter, state = _fitted_state(info, bb, x, y) if info.adapter_cls.trained_by == "fit" else (None, None)
     if cpu_adapter is None:
-        cpu_adapter = build_adapter(info.config_cls(), bb, CLASSNAMES, TEMPLATES,
+        cpu_adapter = build_adapter(small_config(info.name), bb, CLASSNAMES, TEMPLATES,
                                     generator=torch.Generator().manual_seed(0))
     export = None
     if info.export is not None:
@@ -83,7 +84,7 @@ def audit_method(name: str, bb, tmp_path) -> dict:
     device_bb = copy.deepcopy(bb)
     with FakeDevice() as dev, _no_seed_draw():
         dev.move(device_bb)
-        adapter = build_adapter(info.config_cls(), device_bb, CLASSNAMES, TEMPLATES,
+        adapter = build_adapter(small_config(info.name), device_bb, CLASSNAMES, TEMPLATES,
                                 generator=torch.Generator().manual_seed(0))
         if state is not None:
             adapter.load_adapter_state_dict(state)

@@ -166,8 +166,8 @@ def exports(tmp_path_factory):
     for name, args, opts in (("maple", ["adapter=maple", "train.epochs=1"], []),
                              ("tip_adapter_f", ["adapter=tip_adapter_f", "train.epochs=1"], []),
                              ("coop", ["adapter=coop", "adapter.n_ctx=2", "train.epochs=1"], []),
-                             ("clip_svd", ["adapter=clip_svd", "train.epochs=1"], ["merge=true"]),
-                             ("lora", ["adapter=lora", "train.epochs=1"], ["merge=true"])):
+                             ("clip_svd", ["adapter=clip_svd", "train.iterations=2"], ["merge=true"]),
+                             ("lora", ["adapter=lora", "train.iterations=2"], ["merge=true"])):
         out = t / name
         assert main([*TRAIN, *args, f"out={out}"]) == 0, name
         dest = out / ("export" if name == "lora" else "export.safetensors")

@@ -1,9 +1,12 @@
 """A method, a dataset and a checkpoint format from outside the repository: examples/fewclip-plugin-example is
-pip-installed into this environment, and fewclip finds them through its entry points, in every command and in
-a sweep's worker processes, with no edit to fewclip."""
+pip-installed (into a folder of its own on the path, so tests running beside these never see it half installed), and
+fewclip finds them through its entry points, in every command and in a sweep's worker processes, with no edit to
+fewclip."""
+import importlib
 import importlib.util
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -24,32 +27,41 @@ pytestmark = pytest.mark.slow
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fewclip-plugin-example"
 BIN = Path(sys.executable).parent
+ENV = dict(os.environ)  # the commands' environment: PYTHONPATH holds the plugin's folder while it is installed
 
 
 def fewclip(*args, cwd=None):
     """Run the installed `fewclip` command; its output (the command must exit 0)."""
     p = subprocess.run([str(BIN / "fewclip"), *map(str, args)], capture_output=True, text=True, cwd=cwd,
-                       timeout=600)
+                       timeout=600, env=ENV)
     assert p.returncode == 0, f"fewclip {' '.join(map(str, args))} exited {p.returncode}:\n{p.stdout}\n{p.stderr}"
     return p.stdout + p.stderr
 
 
 @pytest.fixture(scope="module")
 def plugin(tmp_path_factory):
-    """The example plugin installed (as a user would: pip), uninstalled afterwards. It is built from a copy, so
-    pip's build folder never lands in the repository."""
-    was_installed = importlib.util.find_spec("fewclip_plugin_example") is not None
-    if not was_installed:
-        source = tmp_path_factory.mktemp("plugin") / EXAMPLE.name
+    """The example plugin installed as a user would (pip), but into a folder of its own put on this process's path
+    and the commands' PYTHONPATH: installing into the shared environment let tests on other pytest workers see its
+    entry points while its module was half installed or already removed. It is built from a copy, so pip's build
+    folder never lands in the repository."""
+    target = None
+    if importlib.util.find_spec("fewclip_plugin_example") is None:
+        root = tmp_path_factory.mktemp("plugin")
+        source, target = root / EXAMPLE.name, root / "site"
         shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
         subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                        str(source)], check=True, capture_output=True, timeout=300)
+                        "--target", str(target), str(source)], check=True, capture_output=True, timeout=300)
+        sys.path.insert(0, str(target))
+        importlib.invalidate_caches()
+        ENV["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))
     for registry in (ADAPTERS, DATASETS, FORMATS):
         registry.refresh()
     yield
-    if not was_installed:
-        subprocess.run([sys.executable, "-m", "pip", "uninstall", "--quiet", "--yes", "fewclip-plugin-example"],
-                       check=True, capture_output=True, timeout=300)
+    if target is not None:
+        sys.path.remove(str(target))
+        importlib.invalidate_caches()
+        ENV.clear()
+        ENV.update(os.environ)
         for registry, name in ((ADAPTERS, "centroid"), (DATASETS, "colour-patches"), (FORMATS, "npz")):
             registry.pop(name, None)
 

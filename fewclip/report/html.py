@@ -276,7 +276,14 @@ def _read_config(run: RunResult) -> dict[str, str] | None:
                            _MAX_DEPTH)
             return None
         return _flatten(yaml.load(text, Loader=_Loader))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError, RecursionError):
+    except yaml.YAMLError as e:
+        if "nesting depth" in str(e):  # libyaml >= 0.2.5 stops at its own limit (1000) with a scanner error
+            logger.warning("%s: nested more than %d levels deep, not a run's config; left out of the page", path,
+                           _MAX_DEPTH)
+        else:
+            logger.warning("%s: not valid YAML (%s); left out of the page", path, str(e).splitlines()[0])
+        return None
+    except (OSError, UnicodeDecodeError, RecursionError):
         return None
 
 
