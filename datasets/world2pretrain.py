@@ -45,18 +45,18 @@ VOCAB_FILE = "w2-vocab.json"
 class World2PretrainConfig:
     recipe: str = "w2-clip"
     seed: int = 0
-    steps: int = 500
+    steps: int = 1500
     batch_size: int = 128
     lr: float = 2e-3
     weight_decay: float = 0.1
-    warmup_steps: int = 50
+    warmup_steps: int = 100
     embed_dim: int = 64
     width: int = 64
     vision_layers: int = 4
     text_layers: int = 3
     head_width: int = 16
     patch_size: int = 8  # 16 tokens of 8x8 pixels: a quarter of the first world's ViT cost, for CPU pretraining
-    context_length: int = 16
+    context_length: int = 20  # 16 left CoOp's 16 context vectors no room for a class name
     device: str = "cpu"
     data_seed: int = 2_000_003
     threads: Optional[int] = None
@@ -71,7 +71,7 @@ class World2PretrainConfig:
             raise ValueError("steps must be >= 1 and batch_size >= 2")
 
 
-def tokenizer(context_length: int = 16) -> WordTokenizer:
+def tokenizer(context_length: int = 20) -> WordTokenizer:
     return WordTokenizer(w2.vocabulary(), context_length=context_length)
 
 

@@ -14,8 +14,8 @@ from fewclip.backbones.geometry import exp_map0, make_geometry
 from fewclip.features.encode import FeatureCache, Features
 from fewclip.features.store import FeatureStore
 from fewclip.training.engine import AMP_MODES, CachedFeatures, FeatureSource, FitData, TrainConfig, amp_autocast, amp_dtype, train_loop
-from helpers.configs import small_config
 from helpers.audit import CLASSNAMES, GEOMETRY_NAMES, TEMPLATES, backbones  # noqa: F401  (fixture)
+from helpers.configs import small_config
 
 CPU = torch.device("cpu")
 

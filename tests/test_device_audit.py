@@ -25,8 +25,8 @@ from fewclip.backbones.geometry import GEOMETRIES
 from fewclip.features.encode import Features
 from fewclip.training.device_audit import DataDependentOutputException, DeviceAuditError, FakeDevice, is_fake
 from fewclip.training.engine import FitData, TrainConfig
-from helpers.configs import small_config
 from helpers.audit import CLASSNAMES, GEOMETRY_NAMES, TEMPLATES, backbones  # noqa: F401
+from helpers.configs import small_config
 
 
 def test_every_geometry_is_audited():
