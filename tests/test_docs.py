@@ -12,14 +12,14 @@ import importlib.util
 import json
 import os
 import re
-import select
-import shutil
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import pytest
+
+from helpers.chromium import DevTools, needs_chromium
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -164,68 +164,6 @@ def test_a_builtin_page_carries_its_parity_and_geometry():
 
 
 # -- the built site in a browser ---------------------------------------------------------------------------------
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions"]
-
-
-class Browser:
-    """Chromium over --remote-debugging-pipe: NUL-terminated DevTools JSON on fds 3 (in) and 4 (out)."""
-
-    def __init__(self, profile):
-        to_r, self._to = os.pipe()
-        self._from, from_w = os.pipe()
-
-        def fds():
-            os.dup2(to_r, 3)
-            os.dup2(from_w, 4)
-            os.set_inheritable(3, True)
-            os.set_inheritable(4, True)
-
-        self.proc = subprocess.Popen([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "--remote-debugging-pipe"],
-                                     preexec_fn=fds, pass_fds=(3, 4), stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
-        os.close(to_r)
-        os.close(from_w)
-        self._buf, self._id, self.session = b"", 0, None
-
-    def read(self, timeout=90):
-        while b"\0" not in self._buf:
-            ready, _, _ = select.select([self._from], [], [], timeout)
-            assert ready, "chromium did not answer"
-            chunk = os.read(self._from, 1 << 20)
-            assert chunk, "chromium closed its DevTools pipe"
-            self._buf += chunk
-        msg, self._buf = self._buf.split(b"\0", 1)
-        return json.loads(msg)
-
-    def call(self, method, **params):
-        self._id += 1
-        msg = {"id": self._id, "method": method, "params": params}
-        if self.session and not method.startswith("Target."):
-            msg["sessionId"] = self.session
-        os.write(self._to, json.dumps(msg).encode() + b"\0")
-        while (reply := self.read()).get("id") != self._id:
-            pass
-        assert "error" not in reply, reply
-        return reply["result"]
-
-    def js(self, expression):
-        return self.call("Runtime.evaluate", expression=expression, awaitPromise=True,
-                         returnByValue=True)["result"].get("value")
-
-    def close(self):
-        try:
-            self.call("Browser.close")
-        except (AssertionError, OSError):
-            pass
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        os.close(self._to)
-        os.close(self._from)
-
-
 @pytest.fixture(scope="module")
 def site(tmp_path_factory):
     out = tmp_path_factory.mktemp("site")
@@ -248,13 +186,13 @@ def test_the_site_builds_strict_with_a_page_per_method(site):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(CHROMIUM is None, reason="chromium is not installed (apt-get install chromium); .ci/run installs it")
+@needs_chromium
 def test_a_method_page_shows_its_options_and_search_finds_it(site, tmp_path):
     handler_cls = type("Quiet", (http.server.SimpleHTTPRequestHandler,), {"log_message": lambda *a: None})
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), lambda *a: handler_cls(*a, directory=str(site)))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}/methods/kgcoop/"
-    browser = Browser(tmp_path / "profile")
+    browser = DevTools(tmp_path / "profile")
     try:
         target = browser.call("Target.createTarget", url="about:blank")["targetId"]
         browser.session = browser.call("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]

@@ -4,10 +4,7 @@ import base64
 import csv
 import io
 import json
-import os
 import re
-import select
-import shutil
 import subprocess
 from html.parser import HTMLParser
 
@@ -16,6 +13,7 @@ from PIL import Image
 
 from fewclip.report import ReportOptions, write_report
 from fewclip.report.html import blocks, render_html
+from helpers.chromium import CHROMIUM, FLAGS, DevTools, needs_chromium
 
 # Names a browser would take for markup if they were not escaped.
 METHOD = 'co<b>op</b> & "x"'
@@ -256,72 +254,6 @@ def test_figure_formats(runs, tmp_path, formats, embedded):
 # ----------------------------------------------------------------------------
 # In a real browser
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-needs_chromium = pytest.mark.skipif(
-    CHROMIUM is None, reason="chromium is not installed (apt-get install chromium); .ci/run installs it")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-extensions"]
-
-
-class DevTools:
-    """Chromium driven over --remote-debugging-pipe (the DevTools protocol: NUL-terminated JSON on fds 3 and 4)."""
-
-    def __init__(self, profile):
-        to_browser_r, self._to_browser = os.pipe()
-        self._from_browser, from_browser_w = os.pipe()
-
-        def fds():  # the child reads commands on fd 3 and answers on fd 4
-            os.dup2(to_browser_r, 3)
-            os.dup2(from_browser_w, 4)
-            os.set_inheritable(3, True)  # dup2 onto itself would keep close-on-exec
-            os.set_inheritable(4, True)
-
-        self.proc = subprocess.Popen([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "--remote-debugging-pipe"],
-                                     preexec_fn=fds, pass_fds=(3, 4), stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
-        os.close(to_browser_r)
-        os.close(from_browser_w)
-        self._buf, self._id, self.session = b"", 0, None
-
-    def _read(self, timeout=60):
-        while b"\0" not in self._buf:
-            ready, _, _ = select.select([self._from_browser], [], [], timeout)
-            assert ready, "chromium did not answer within a minute"
-            chunk = os.read(self._from_browser, 1 << 20)
-            assert chunk, "chromium closed its DevTools pipe"
-            self._buf += chunk
-        msg, self._buf = self._buf.split(b"\0", 1)
-        return json.loads(msg)
-
-    def call(self, method, **params):
-        self._id += 1
-        msg = {"id": self._id, "method": method, "params": params}
-        if self.session and not method.startswith("Target."):
-            msg["sessionId"] = self.session
-        os.write(self._to_browser, json.dumps(msg).encode() + b"\0")
-        while True:
-            reply = self._read()
-            if reply.get("id") == self._id:
-                assert "error" not in reply, reply
-                return reply["result"]
-
-    def wait_event(self, method):
-        while (msg := self._read()).get("method") != method:
-            pass
-        return msg
-
-    def close(self):
-        try:
-            self.call("Browser.close")
-        except (AssertionError, OSError):
-            pass
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        os.close(self._to_browser)
-        os.close(self._from_browser)
-
-
 @needs_chromium
 def test_chromium_reads_back_the_tables(runs, tmp_path):
     report = write_report(runs, tmp_path / "out")
@@ -343,7 +275,7 @@ def test_chromium_reads_back_the_tables(runs, tmp_path):
         browser.call("Network.enable")
         browser.call("Page.navigate", url=url)
         requests = []
-        while (msg := browser._read()).get("method") != "Page.loadEventFired":
+        while (msg := browser.read()).get("method") != "Page.loadEventFired":
             if msg.get("method") == "Network.requestWillBeSent":
                 requests.append(msg["params"]["request"]["url"])
         result = browser.call("Runtime.evaluate", awaitPromise=True, returnByValue=True, expression=(
