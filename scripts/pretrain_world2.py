@@ -14,12 +14,16 @@ import time
 
 import torch
 
-from fewclip.config.compose import load_config
+from fewclip.config.compose import ConfigError, load_config
 from fewclip.datasets.world2pretrain import World2PretrainConfig, pretrain, save_reference
 
 
 def main(argv):
-    cfg = load_config(argv, World2PretrainConfig)
+    try:
+        cfg = load_config(argv, World2PretrainConfig)
+    except (ConfigError, ValueError) as e:  # an unknown key or wrong type; a recipe or step count out of range
+        print(f"pretrain_world2: {e}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     t0 = time.time()
     model, geometry, tok, mcfg, history = pretrain(cfg)
@@ -28,7 +32,8 @@ def main(argv):
     card = save_reference(cfg, model, geometry, tok, mcfg, history, cfg.out, elapsed, dev)
     print(f"trained {cfg.recipe} in {elapsed:.1f} s on {dev}; loss {history[0]['loss']:.3f} -> "
           f"{history[-1]['loss_ema']:.3f} (ema); card: {card}")
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

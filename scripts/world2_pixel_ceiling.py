@@ -10,13 +10,21 @@ difficulty. Prints one line per epoch; exit 0, or 2 for a bad argument.
 """
 import sys
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn as nn
 
 OFFSET = 50_000_000  # render indices of the training images: the task's splits use small ones
-ARGS = {"task": "w2-cars", "per_class": "150", "epochs": "8", "seed": "0"}
+
+
+@dataclass
+class CeilingConfig:
+    task: str = "w2-cars"
+    per_class: int = 150  # rendered training images per class
+    epochs: int = 8
+    seed: int = 0
 
 
 def make_net(classes: int) -> nn.Module:
@@ -32,19 +40,18 @@ def to_tensor(images: np.ndarray) -> torch.Tensor:
 
 
 def main(argv) -> int:
-    opts = dict(a.split("=", 1) for a in argv if "=" in a)
-    bad = [a for a in argv if "=" not in a] + [k for k in opts if k not in ARGS]
-    if bad:
-        print(f"world2_pixel_ceiling: unknown argument(s) {bad}; use " + " ".join(f"{k}={v}" for k, v in ARGS.items()),
-              file=sys.stderr)
-        return 2
-    opts = {**ARGS, **opts}
     import fewclip.datasets.world2 as w2
+    from fewclip.config.compose import ConfigError, load_config
     from fewclip.datasets import DataConfig, build_dataset
 
-    ds = build_dataset(DataConfig(name=opts["task"]))
-    spec, per, epochs = ds.spec, int(opts["per_class"]), int(opts["epochs"])
-    torch.manual_seed(int(opts["seed"]))
+    try:
+        cfg = load_config(argv, CeilingConfig)
+    except ConfigError as e:
+        print(f"world2_pixel_ceiling: {e}", file=sys.stderr)
+        return 2
+    ds = build_dataset(DataConfig(name=cfg.task))
+    spec, per, epochs = ds.spec, cfg.per_class, cfg.epochs
+    torch.manual_seed(cfg.seed)
     C = len(spec.concepts)
     n = np.arange(per * C, dtype=np.int64)
     concepts = np.asarray(spec.concepts, dtype=np.int64)[n % C]
@@ -56,7 +63,7 @@ def main(argv) -> int:
     net = make_net(C)
     opt = torch.optim.Adam(net.parameters(), 2e-3)
     t0 = time.time()
-    print(f"{opts['task']}: {C} classes, {per} rendered training images each, {len(y_test)} test images")
+    print(f"{cfg.task}: {C} classes, {per} rendered training images each, {len(y_test)} test images")
     for epoch in range(epochs):
         net.train()
         order = torch.randperm(len(x))

@@ -1,5 +1,9 @@
 """World 2 (issue 31): deterministic generation, class counts, base/new splits of genuinely new concepts, and the
 domain-shift family's targets."""
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -117,3 +121,15 @@ def test_shipped_world2_cards_match_their_weights_and_recipe():
         assert card.geometry.name == RECIPES[name]["geometry"] and card.tokenizer.file == VOCAB_FILE
         assert card.trained_with.command.startswith(f"python scripts/pretrain_world2.py recipe={name} ")
         assert WordTokenizer.load(REFERENCE_DIR / VOCAB_FILE).words == w2.vocabulary()
+
+
+@pytest.mark.parametrize("script, arg, words", [
+    ("pretrain_world2.py", "recipe=w2-foo", "recipe must be one of"),
+    ("pretrain_world2.py", "stepz=3", "Did you mean: 'steps'"),
+    ("world2_pixel_ceiling.py", "tsk=w2-cars", "Did you mean: 'task'"),
+])
+def test_world2_scripts_answer_a_bad_argument_in_one_line(script, arg, words):
+    root = Path(__file__).resolve().parents[1]
+    p = subprocess.run([sys.executable, str(root / "scripts" / script), arg], capture_output=True, text=True,
+                       timeout=300, cwd=root)
+    assert p.returncode == 2 and words in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr

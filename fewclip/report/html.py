@@ -257,13 +257,18 @@ def _too_deep(text: str, limit: int) -> bool:
     passes it (libyaml's parser keeps its own stack; its composer recurses in C, so it must never see a document
     nested thousands deep, flow or block style)."""
     depth = 0
-    for event in yaml.parse(text, Loader=_Loader):
-        if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
-            depth += 1
-            if depth > limit:
-                return True
-        elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
-            depth -= 1
+    try:
+        for event in yaml.parse(text, Loader=_Loader):
+            if isinstance(event, (yaml.SequenceStartEvent, yaml.MappingStartEvent)):
+                depth += 1
+                if depth > limit:
+                    return True
+            elif isinstance(event, (yaml.SequenceEndEvent, yaml.MappingEndEvent)):
+                depth -= 1
+    except yaml.YAMLError as e:
+        if "nesting depth" in str(e):  # libyaml >= 0.2.5 stops at its own limit (1000) with a scanner error
+            return True
+        raise
     return False
 
 
@@ -277,11 +282,7 @@ def _read_config(run: RunResult) -> dict[str, str] | None:
             return None
         return _flatten(yaml.load(text, Loader=_Loader))
     except yaml.YAMLError as e:
-        if "nesting depth" in str(e):  # libyaml >= 0.2.5 stops at its own limit (1000) with a scanner error
-            logger.warning("%s: nested more than %d levels deep, not a run's config; left out of the page", path,
-                           _MAX_DEPTH)
-        else:
-            logger.warning("%s: not valid YAML (%s); left out of the page", path, str(e).splitlines()[0])
+        logger.warning("%s: not valid YAML (%s); left out of the page", path, str(e).splitlines()[0])
         return None
     except (OSError, UnicodeDecodeError, RecursionError):
         return None
