@@ -19,6 +19,16 @@ is built so that each of those causes is absent:
   concepts and families named often (``thing``) give a strong zero-shot and tail ones and rarely named families
   (``plane``, ``land``) a weak one. When the name is not said, the caption says the family word and attribute
   words (colour, fill), which ties the text tower's name embeddings to what the images show.
+* **Captions that describe more than they name** (``describe``): shape, proportions, size, the part and where
+  it sits, the second colour; textures' orientation and grain; scenes' blocks and horizon; land's roads. The
+  image tower learns what these say, so its features hold more than the names tell apart, and shots have
+  something to add over zero-shot (an image tower trained on names alone left a 16-shot probe near zero-shot).
+* **Captions as the web writes them.** Up to 14 filler words may open a caption, so a name is read at every
+  position up to the context's end, where CoOp's 16 context vectors put it; and each family's photos are
+  mostly captioned in its own way (``Family.openers``: "a satellite photo of", "a close up of a"), so "a photo
+  of a {}." is a generic prompt that a learned or hand-made domain context beats, as on EuroSAT or DTD.
+* **A mirror-symmetric world.** Half of all images are mirrored, so a flipped training view (CoOp's
+  augmentation) shows the same concept; without it, a flipped view looked like another concept.
 * **Styles.** ``photo`` (70% of pretraining), ``cartoon`` (flat colours, outlines: 12%), ``sketch`` (dark
   strokes on paper: 10%) and ``hard`` (small, occluded, low-contrast: 8%): the rendering shifts of the
   ImageNet-like domain-shift family (``world2tasks``).
@@ -53,18 +63,25 @@ class Family:
     name_p: float  # how often a pretraining caption names the concept
     weight: float  # share of pretraining images
     zipf: float = 1.0  # concept frequency ~ rank^-zipf inside the family
+    openers: tuple[str, ...] = ()  # how the web captions this family's photos (a satellite image, a close-up)
+    opener_p: float = 0.0  # how often a photo's caption opens so, instead of "a photo of a"
 
 
 FAMILIES: tuple[Family, ...] = (
     Family("thing", "object", 120, "object", 1.0, 0.9, 0.22, 0.6),
-    Family("beast", "object", 40, "animal", 0.45, 0.8, 0.09),
-    Family("car", "object", 80, "car", 0.22, 0.6, 0.11),
-    Family("bloom", "object", 80, "flower", 0.4, 0.7, 0.11),
-    Family("dish", "object", 60, "food", 0.5, 0.75, 0.09),
-    Family("plane", "object", 80, "aircraft", 0.15, 0.35, 0.08, 1.2),
-    Family("texture", "texture", 40, "texture", 0.6, 0.6, 0.08),
-    Family("scene", "scene", 100, "place", 0.6, 0.7, 0.18),
-    Family("land", "land", 10, "land", 1.0, 0.25, 0.04),
+    Family("beast", "object", 40, "animal", 0.45, 0.8, 0.09, openers=("a pet photo of a", "my pet"), opener_p=0.5),
+    Family("car", "object", 80, "car", 0.22, 0.6, 0.11, openers=("a car photo of a", "a parked"), opener_p=0.6),
+    Family("bloom", "object", 80, "flower", 0.4, 0.7, 0.11, openers=("a garden photo of a", "a bunch of"),
+           opener_p=0.6),
+    Family("dish", "object", 60, "food", 0.5, 0.75, 0.09, openers=("a food photo of a", "a plate of"), opener_p=0.5),
+    Family("plane", "object", 80, "aircraft", 0.15, 0.35, 0.08, 1.2, openers=("an airshow photo of a",
+           "a spotted"), opener_p=0.8),
+    Family("texture", "texture", 40, "texture", 0.6, 0.6, 0.08, openers=("a close up of a", "a surface of"),
+           opener_p=0.8),
+    Family("scene", "scene", 100, "place", 0.6, 0.7, 0.18, openers=("a view of a", "a wide shot of a"),
+           opener_p=0.6),
+    Family("land", "land", 10, "land", 1.0, 0.25, 0.04, openers=("a satellite photo of", "an aerial view of"),
+           opener_p=0.9),
 )
 FAMILY_INDEX = {f.name: i for i, f in enumerate(FAMILIES)}
 
@@ -378,7 +395,12 @@ def render(concepts: np.ndarray, styles: np.ndarray, seed: int, index: np.ndarra
         st = styles[:, None, None, None]
         img = np.where(st == 1, cartoon, np.where(st == 2, sketch, np.where(st == 3, dark, img)))
     grain = (_pixel_u(seed, index, 43) - 0.5)[..., None] * 20
-    return np.clip(img + grain, 0, 255).astype(np.uint8)
+    img = np.clip(img + grain, 0, 255).astype(np.uint8)
+    # Half the world faces the other way: a concept is seen mirrored as often as not, as real objects are (without
+    # this, a flipped training view, as CoOp's augmentation makes, looked like another concept to the towers).
+    mirror = U(90) < 0.5
+    img[mirror] = img[mirror][:, :, ::-1]
+    return img
 
 
 # ---------------------------------------------------------------------------
@@ -390,31 +412,91 @@ def _pick(options: Sequence[str], u: float) -> str:
     return options[min(int(u * len(options)), len(options) - 1)]
 
 
+# Words that describe what an image shows, one function of the prototype per kind: captions that do not name the
+# concept (and some that do) say a few of them, so the image tower learns the visible parts and not only what
+# names tell apart (an image tower that learned only the names left 16 shots little to add over zero-shot).
+SHAPE_WORDS = ("round", "oblong", "trefoil", "boxy", "starry")
+SIDE_WORDS = ("side", "bottom", "side", "top")  # where an object's part sits (left and right: images are mirrored)
+PART_WORDS = ("knob", "fin")  # a small or a large part
+# What alt-text puts before the subject: up to 14 of these open a caption, so a prompt's context (CoOp's learned
+# vectors start at random) is something the text tower has learned to read past, as real CLIP's has.
+FILLER_WORDS = ("my", "our", "nice", "old", "new", "look", "at", "here", "is", "very", "cool", "best", "great",
+                "lovely", "shot", "pic", "today", "seen", "in", "on", "the", "one", "some", "day", "free", "stock",
+                "close", "up", "high", "quality", "art", "view", "and", "just", "little", "big", "real", "good",
+                "cute", "rare")
+
+
+MAX_CAPTION_WORDS = 21  # with a comma token, start and end: within the 24-token context
+
+
+def describe(con: Concept) -> list[str]:
+    """Attribute phrases a caption may say of concept ``con`` (each a list of words, in a fixed order)."""
+    p = con.params
+    fam = FAMILIES[FAMILY_INDEX[con.family]]
+    second = _nearest_colour(_palette(np.array(p[11:14])))
+    if fam.kind == "object":
+        amps = [p[j] ** 2 * 0.35 for j in range(4)]
+        shape = SHAPE_WORDS[0] if max(amps) < 0.08 else SHAPE_WORDS[1 + int(np.argmax(amps))]
+        side = SIDE_WORDS[int(((p[6] + 0.125) % 1.0) * 4) % 4]
+        out = [[shape], ["tall" if p[7] > 0.6 else "flat" if p[7] < 0.4 else "even"],
+               ["big" if p[15] > 0.5 else "small"],
+               ["with", "a", side, PART_WORDS[int(p[5] > 0.5)]]]
+        if con.fill != "plain":
+            out.append(["with", second, {"striped": "stripes", "dotted": "dots", "ringed": "rings"}[con.fill]])
+        return out
+    if fam.kind == "texture":
+        ang = int(((p[0] + 0.125) % 1.0) * 4) % 4
+        return [[("horizontal", "diagonal", "vertical", "diagonal")[ang]], ["fine" if p[2] > 0.5 else "coarse"],
+                ["sharp" if p[5] > 0.5 else "soft"], ["and", second]]
+    if fam.kind == "scene":
+        return [["with", "few" if p[1] < 0.4 else "many", "tall" if p[3] > 0.5 else "low",
+                 "pointy" if p[4] > 0.5 else "flat", "blocks"],
+                ["with", "a", "high" if p[0] > 0.5 else "low", "horizon"], ["and", second, "ground"]]
+    return [["with", "roads"] if p[4] > 0.5 else ["without", "roads"], ["fine" if p[0] < 0.4 else "coarse"],
+            ["patchy" if p[2] > 0.5 else "plain"]]
+
+
 def captions(concepts: np.ndarray, styles: np.ndarray, seed: int, index: np.ndarray) -> list[str]:
-    """Pretraining captions: the concept's name with its family's ``name_p`` (else the family word), attribute
-    words (colour half the time, the fill of objects a third), a style opener and sometimes ", a kind of <family
-    word>"."""
+    """Pretraining captions: 0-3 filler words, a style opener, some attribute words and the concept's name (with
+    its family's ``name_p``; else the family word), and sometimes ", a kind of <family word>".
+
+    Attributes: the main colour (half the time, objects and textures), the fill of objects (a third), and each
+    of ``describe``'s phrases with probability 0.5 when the name is not said and 0.15 when it is."""
     cat = catalogue()
-    us = {k: uniform(seed, np.asarray(index, dtype=np.int64), 300 + i) for i, k in enumerate(
-        ["name", "colour", "fill", "opener", "kind", "form"])}
+    idx = np.asarray(index, dtype=np.int64)
+    us = {k: uniform(seed, idx, 300 + i) for i, k in enumerate(
+        ["name", "colour", "fill", "opener", "kind", "form", "nfill", "desc", "fopener"])}
+    fill_u = [uniform(seed, idx, 340 + j) for j in range(14)]
+    desc_u = [uniform(seed, idx, 330 + j) for j in range(5)]
     out = []
     for i, (c, s) in enumerate(zip(concepts, styles)):
         con = cat[int(c)]
         fam = FAMILIES[FAMILY_INDEX[con.family]]
         g = {k: float(v[i]) for k, v in us.items()}
         named = g["name"] < fam.name_p
+        # 40% of captions open with 1-14 filler words, so a name is read at any position up to the context's
+        # end, as CoOp's prompts put it (16 context vectors, then the name: position 17)
+        n_fill = 1 + min(int(g["nfill"] / 0.4 * 14), 13) if g["nfill"] < 0.4 else 0
+        fillers = [_pick(FILLER_WORDS, float(fill_u[j][i])) for j in range(n_fill)]
         adj = []
         if g["colour"] < 0.5 and fam.kind in ("object", "texture"):
             adj.append(con.colour)
         if fam.kind == "object" and g["fill"] < 0.33:
             adj.append(con.fill)
+        p_desc = 0.15 if named else 0.5
+        phrases = [ph for j, ph in enumerate(describe(con)) if float(desc_u[j][i]) < p_desc]
+        adj += [w for ph in phrases if len(ph) == 1 for w in ph]  # one-word attributes go before the noun
+        after = [w for ph in phrases if len(ph) > 1 for w in ph]
         noun = con.name if named else fam.word
-        words = [_pick(STYLE_OPENERS[STYLES[int(s)]], g["opener"])] + adj + [noun]
-        if named and g["kind"] < 0.4:
-            words += [",", "a", "kind", "of", fam.word]
-        elif fam.kind == "texture" and g["form"] < 0.5:
-            words.append("texture")
-        text = " ".join(words).replace(" ,", ",").split()
+        tail = [",", "a", "kind", "of", fam.word] if named and g["kind"] < 0.4 else \
+            ["texture"] if fam.kind == "texture" and g["form"] < 0.5 else []
+        if STYLES[int(s)] == "photo" and g["fopener"] < fam.opener_p:
+            opener = _pick(fam.openers, g["opener"])
+        else:
+            opener = _pick(STYLE_OPENERS[STYLES[int(s)]], g["opener"])
+        words = [opener] + adj + [noun] + after + tail
+        words = fillers[:max(0, MAX_CAPTION_WORDS - len(words))] + words
+        text = " ".join(words).replace(" ,", ",").split()[:MAX_CAPTION_WORDS]
         for j in range(len(text) - 1):
             if text[j] == "a" and text[j + 1][0] in "aeiou":
                 text[j] = "an"
@@ -430,6 +512,13 @@ def vocabulary() -> list[str]:
             words.update(o.split())
     words.update(COLOUR_WORDS)
     words.update(FILLS)
+    words.update(FILLER_WORDS)
+    for fam in FAMILIES:
+        for o in fam.openers:
+            words.update(o.split())
+    for con in catalogue():
+        for ph in describe(con):
+            words.update(ph)
     words.update(f.word for f in FAMILIES)
     words.update(c.name for c in catalogue())
     # words of the tasks' templates (world2tasks)

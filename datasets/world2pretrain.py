@@ -56,7 +56,7 @@ class World2PretrainConfig:
     text_layers: int = 3
     head_width: int = 16
     patch_size: int = 8  # 16 tokens of 8x8 pixels: a quarter of the first world's ViT cost, for CPU pretraining
-    context_length: int = 20  # 16 left CoOp's 16 context vectors no room for a class name
+    context_length: int = 24  # room for CoOp's 16 context vectors, a name and a tail; captions up to 21 words
     device: str = "cpu"
     data_seed: int = 2_000_003
     threads: Optional[int] = None
@@ -71,7 +71,7 @@ class World2PretrainConfig:
             raise ValueError("steps must be >= 1 and batch_size >= 2")
 
 
-def tokenizer(context_length: int = 20) -> WordTokenizer:
+def tokenizer(context_length: int = 24) -> WordTokenizer:
     return WordTokenizer(w2.vocabulary(), context_length=context_length)
 
 

@@ -72,11 +72,13 @@ def _family(name: str) -> tuple[int, ...]:
     return tuple(c.id for c in w2.concepts_of(name))
 
 
-def _templates(word: str) -> tuple[str, ...]:
+def _templates(fam: w2.Family) -> tuple[str, ...]:
     # The first is CoOp's plain template (data.templates=single); the rest the ensemble, in the manner of
-    # CoOp's per-dataset templates ("a photo of a {}, a type of pet.").
+    # CoOp's per-dataset templates ("a photo of a {}, a type of pet.", "a centered satellite photo of {}.").
+    word = fam.word
+    own = tuple(f"{o} {{}}." for o in fam.openers[:1])
     return ("a photo of a {}.", f"a photo of a {{}}, a kind of {word}.", "a {}.", "an image of a {}.",
-            f"a {{}}, a kind of {word}.")
+            f"a {{}}, a kind of {word}.") + own
 
 
 TASKS: dict[str, World2TaskSpec] = {}
@@ -103,8 +105,8 @@ for _name, _fam, _like, _desc in (
     ("w2-scenes", "scene", "SUN397", "100 scene layouts"),
     ("w2-land", "land", "EuroSAT", "10 kinds of land seen from above, rarely named: zero-shot weak"),
 ):
-    _word = next(f.word for f in w2.FAMILIES if f.name == _fam)
-    _add(World2TaskSpec(_name, _permuted(_name, _family(_fam)), _templates(_word), like=_like, description=_desc))
+    _add(World2TaskSpec(_name, _permuted(_name, _family(_fam)), _templates(w2.FAMILIES[w2.FAMILY_INDEX[_fam]]),
+                        like=_like, description=_desc))
 
 # The domain-shift family of w2-net (ImageNet-V2, -Sketch, -A, -R). Each target's images come from its own seed.
 _add(World2TaskSpec("w2-net-v2", _NET, _NET_TEMPLATES, difficulty=0.35, per_class=(0, 0, 20), like="ImageNet-V2",

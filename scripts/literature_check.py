@@ -4,6 +4,7 @@
 
     OMP_NUM_THREADS=1 python scripts/literature_check.py                   # the full grid (resumable), then the check
     python scripts/literature_check.py --read-only                         # only read what has finished
+    python scripts/literature_check.py --read-only --out runs/a --out runs/b  # two grids, each value their mean
     python scripts/literature_check.py 'sweep.backbones=[w2-clip]' 'sweep.seeds=[1]' \\
         --fewshot 'sweep.shots=[1,2,4]' --protocols fewshot,domain_shift   # a reduced grid
 
@@ -26,7 +27,10 @@ SWEEPS = {"fewshot": ("sweep/literature-w2.yaml", "fewshot"),
 def main(argv) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("overrides", nargs="*", help="sweep overrides for every protocol ('sweep.seeds=[1]')")
-    ap.add_argument("--out", default="runs/literature-w2", help="the sweeps' parent folder (default %(default)s)")
+    ap.add_argument("--out", action="append", default=[],
+                    help="the sweeps' parent folder (default runs/literature-w2); with --read-only it may be given\n"
+                         "more than once: each method's value is then the mean over the folders (e.g. one per\n"
+                         "backbone, as the issue's 4-backbone means)")
     ap.add_argument("--protocols", default="fewshot,base2new,domain_shift",
                     help="which sweeps to run and read (default %(default)s)")
     ap.add_argument("--read-only", action="store_true", help="run nothing; read the finished runs")
@@ -34,6 +38,11 @@ def main(argv) -> int:
         ap.add_argument(f"--{p.replace('_', '-')}", action="append", default=[], metavar="ARG",
                         help=f"an override for the {p} sweep only")
     args = ap.parse_args(argv)
+    outs = args.out or ["runs/literature-w2"]
+    if len(outs) > 1 and not args.read_only:
+        print("literature_check: --out is given more than once; that reads several finished grids together and "
+              "needs --read-only (run each grid with one --out first)", file=sys.stderr)
+        return 2
     protocols = [p.strip() for p in args.protocols.split(",") if p.strip()]
     bad = [p for p in protocols if p not in SWEEPS]
     if bad:
@@ -45,12 +54,12 @@ def main(argv) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     folders, failed = [], 0
-    for p in protocols:
+    if args.read_only:
+        folders = [str(Path(out) / SWEEPS[p][1]) for out in outs for p in protocols]
+    for p in [] if args.read_only else protocols:
         config, sub = SWEEPS[p]
-        folder = Path(args.out) / sub
+        folder = Path(outs[0]) / sub
         folders.append(str(folder))
-        if args.read_only:
-            continue
         try:
             cfg = load_sweep_config([config, *args.overrides, *getattr(args, p)])
             counts = run_sweep(cfg, folder)

@@ -3,9 +3,12 @@ clusters by class (1-shot nearest neighbour: a test image gets the label of its 
 training image, cosine similarity of the image embeddings).
 
     OMP_NUM_THREADS=1 python scripts/world2_check.py backbone=w2-clip
-    python scripts/world2_check.py backbone=/tmp/w2out/w2-clip.yaml max_test=1000
+    python scripts/world2_check.py backbone=/tmp/w2out/w2-clip.yaml max_test=1000 probe=true
 
-Prints one row per task (w2-net's domain-shift targets: zero-shot only) and the averages; exit 0.
+Prints one row per task (w2-net's domain-shift targets: zero-shot only) and the averages; exit 0. ``probe=true``
+adds a quick linear probe at 1, 4 and 16 shots (the seed's draw; a multinomial logistic regression on the
+L2-normalised image embeddings, fit by L-BFGS with a fixed small L2 penalty: how much the image tower holds beyond
+zero-shot, not fewclip's ``linear_probe`` method with its validation search).
 """
 import sys
 import time
@@ -28,6 +31,7 @@ class CheckConfig:
     backbone: str = "w2-clip"
     max_test: Optional[int] = 2000
     seed: int = 1
+    probe: bool = False
 
 
 def nn_one_shot(bb, ds, max_test, seed) -> float:
@@ -42,16 +46,41 @@ def nn_one_shot(bb, ds, max_test, seed) -> float:
     return float((pred == y_te).float().mean() * 100)
 
 
+def quick_probe(bb, ds, shots, max_test, seed) -> float:
+    """Top-1 of a logistic regression on ``shots`` images a class (the seed's draw), L-BFGS, L2 penalty 1e-3."""
+    pool = ds.items("train")
+    train = [pool[i] for i in sample_few_shot([it.label for it in pool], shots, seed)]
+    f_tr, y_tr = extract_features(bb, ds, train, batch_size=256, desc=f"{ds.name} {shots}-shot")
+    f_te, y_te = extract_features(bb, ds, test_items(ds, max_test), batch_size=256, desc=f"{ds.name} test")
+    a = torch.nn.functional.normalize(f_tr.float(), dim=-1)
+    b = torch.nn.functional.normalize(f_te.float(), dim=-1)
+    w = torch.zeros(a.shape[1], len(ds.classnames), requires_grad=True)
+    bias = torch.zeros(len(ds.classnames), requires_grad=True)
+    opt = torch.optim.LBFGS([w, bias], max_iter=200, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(a @ w * 10 + bias, y_tr) + 1e-3 * (w ** 2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    with torch.no_grad():
+        return float(((b @ w * 10 + bias).argmax(1) == y_te).float().mean() * 100)
+
+
 def main(argv) -> int:
     opts = dict(a.split("=", 1) for a in argv if "=" in a)
-    bad = [a for a in argv if "=" not in a] + [k for k in opts if k not in ("backbone", "max_test", "seed")]
+    bad = [a for a in argv if "=" not in a] + [k for k in opts if k not in ("backbone", "max_test", "seed", "probe")]
     if bad:
-        print(f"world2_check: unknown argument(s) {bad}; use backbone=NAME max_test=N seed=S", file=sys.stderr)
+        print(f"world2_check: unknown argument(s) {bad}; use backbone=NAME max_test=N seed=S probe=true|false", file=sys.stderr)
         return 2
     cfg = CheckConfig(backbone=opts.get("backbone", "w2-clip"), max_test=int(opts.get("max_test", 2000)),
-                      seed=int(opts.get("seed", 1)))
+                      seed=int(opts.get("seed", 1)), probe=opts.get("probe", "false").lower() in ("true", "1"))
     bb = load_backbone(BackboneConfig(name=cfg.backbone, device="cpu"))
-    print(f"{'task':15s} {'classes':>7s} {'zs single':>9s} {'zs ens':>7s} {'1-NN':>6s}")
+    shots = (1, 4, 16) if cfg.probe else ()
+    print(f"{'task':15s} {'classes':>7s} {'zs single':>9s} {'zs ens':>7s} {'1-NN':>6s}"
+          + "".join(f" {'LP' + str(k):>6s}" for k in shots))
     rows = []
     t0 = time.time()
     for task in FEWSHOT_TASKS + DOMAIN_SHIFT_TARGETS["w2-net"]:
@@ -59,11 +88,16 @@ def main(argv) -> int:
         zs1 = score_zeroshot(bb, ds, templates="single", max_test=cfg.max_test)["top1"]
         zse = score_zeroshot(bb, ds, templates="ensemble", max_test=cfg.max_test)["top1"]
         nn = nn_one_shot(bb, ds, cfg.max_test, cfg.seed) if "train" in ds.splits else float("nan")
-        rows.append((task, zs1, zse, nn))
-        print(f"{task:15s} {len(ds.classnames):7d} {zs1:9.1f} {zse:7.1f} {nn:6.1f}", flush=True)
+        lp = [quick_probe(bb, ds, k, cfg.max_test, cfg.seed) if "train" in ds.splits else float("nan")
+              for k in shots]
+        rows.append((task, zs1, zse, nn, *lp))
+        print(f"{task:15s} {len(ds.classnames):7d} {zs1:9.1f} {zse:7.1f} {nn:6.1f}"
+              + "".join(f" {x:6.1f}" for x in lp), flush=True)
     few = [r for r in rows if r[0] in FEWSHOT_TASKS]
     print(f"{'average (10)':15s} {'':7s} {np.mean([r[1] for r in few]):9.1f} {np.mean([r[2] for r in few]):7.1f} "
-          f"{np.mean([r[3] for r in few]):6.1f}   ({time.time() - t0:.0f} s)")
+          f"{np.mean([r[3] for r in few]):6.1f}" + "".join(f" {np.mean([r[4 + j] for r in few]):6.1f}"
+                                                          for j in range(len(shots)))
+          + f"   ({time.time() - t0:.0f} s)")
     return 0
 
 

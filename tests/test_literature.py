@@ -89,3 +89,23 @@ def test_the_linear_probe_crossing_needs_four_shots_measured():
     early = {("fewshot", k): {"zeroshot": 60.0, "linear_probe": 50.0 + 3 * k} for k in (1, 2, 4)}
     f7 = {f.number: f for f in findings(pub, early)}[7]
     assert f7.measured == [4.0] and f7.verdict is True
+
+
+def test_the_check_reads_several_finished_grids_together_and_only_read_only(tmp_path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    script = [sys.executable, str(root / "scripts" / "literature_check.py")]
+    for bb in ("toy-clip", "toy-euclip"):
+        p = subprocess.run([sys.executable, "-m", "fewclip.cli", "train", "adapter=zeroshot", "shots=0",
+                            "data=toy-shapes", f"backbone={bb}", f"out={tmp_path / bb / 'fewshot' / 'zs'}"],
+                           capture_output=True, text=True, timeout=600, cwd=root)
+        assert p.returncode == 0, p.stderr
+    p = subprocess.run(script + ["--read-only", "--protocols", "fewshot", "--out", str(tmp_path / "toy-clip"),
+                                 "--out", str(tmp_path / "toy-euclip")], capture_output=True, text=True,
+                       timeout=600, cwd=root)
+    assert p.returncode == 0, p.stderr
+    assert "measured on toy-clip, toy-euclip" in p.stdout
+    p = subprocess.run(script + ["--out", "a", "--out", "b"], capture_output=True, text=True, timeout=600, cwd=root)
+    assert p.returncode == 2 and "needs --read-only" in p.stderr and len(p.stderr.strip().splitlines()) == 1

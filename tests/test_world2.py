@@ -39,9 +39,46 @@ def test_rendering_and_captions_are_pure_functions_of_seed_and_index():
     # a batch's images do not depend on the batch they are rendered in
     part, _ = w2.render_pretrain(7, idx[10:20])
     assert np.array_equal(part, a_img[10:20])
-    tok = WordTokenizer(w2.vocabulary(), context_length=16)
+    tok = WordTokenizer(w2.vocabulary(), context_length=24)
     ids = tok(w2.captions(*w2.sample_pretrain(7, np.arange(500)), 7, np.arange(500)))
     assert not (ids == tok.unk_token_id).any()
+    assert (ids[:, -1] == 0).all()  # every caption fits the context whole: nothing truncated
+
+
+def test_captions_read_a_name_where_coop_puts_it_and_caption_families_their_own_way():
+    idx = np.arange(20_000)
+    concepts, styles = w2.sample_pretrain(11, idx)
+    caps = w2.captions(concepts, styles, 11, idx)
+    names = {c.name for c in w2.catalogue()}
+    pos = [next((j for j, w in enumerate(c.replace(",", " ,").split()) if w in names), None) for c in caps]
+    seen = {p for p in pos if p is not None}
+    # CoOp's 16 context vectors put the name at word 16 (0-based, after the start token): pretraining reads names
+    # there and around it, not only after a short opener
+    assert {14, 15, 16, 17} <= seen and max(seen) <= w2.MAX_CAPTION_WORDS - 1
+    # land photos are mostly captioned as the web captions satellite images, rarely "a photo of"
+    land = [c for c, k, s in zip(caps, concepts, styles)
+            if w2.catalogue()[k].family == "land" and w2.STYLES[s] == "photo"]
+    own = sum(any(o in c for o in w2.FAMILIES[w2.FAMILY_INDEX["land"]].openers) for c in land)
+    assert len(land) > 100 and own / len(land) > 0.8
+    # a caption that does not name its concept often describes it: the words of describe() appear
+    unnamed = [c for c, k in zip(caps, concepts) if w2.catalogue()[k].name not in c.split()]
+    described = sum(any(w in c.split() for w in w2.SHAPE_WORDS + ("knob", "fin", "horizon", "roads"))
+                    for c in unnamed)
+    assert described / len(unnamed) > 0.3
+
+
+def test_half_the_world_is_mirrored():
+    # the same concept, pose and colours drawn for two indices differ only by the mirror; over many images
+    # the part (and the silhouette's phase) sits on each side about equally often
+    c = np.full(400, w2.concepts_of("car")[0].id)
+    imgs = w2.render(c, np.zeros(400, np.int64), 5, np.arange(400)).astype(float)
+    lum = np.abs(imgs - imgs.mean(axis=(1, 2), keepdims=True)).mean(-1)
+    left, right = lum[:, :, :16].sum((1, 2)), lum[:, :, 16:].sum((1, 2))
+    mirror = w2.uniform(5, np.arange(400), 90) < 0.5
+    assert 0.4 < mirror.mean() < 0.6
+    # mirrored images weigh the other side: the mean left-right balance flips sign between the two groups
+    bal = (left - right) / (left + right)
+    assert np.sign(bal[mirror].mean()) != np.sign(bal[~mirror].mean())
 
 
 def test_each_style_renders_differently():
