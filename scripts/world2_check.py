@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from fewclip.backbones.backbone import BackboneConfig, load_backbone
+from fewclip.config.compose import ConfigError, load_config
 from fewclip.data.splits import sample_few_shot, test_items
 from fewclip.datasets import DataConfig, build_dataset
 from fewclip.datasets.world2tasks import DOMAIN_SHIFT_TARGETS, FEWSHOT_TASKS
@@ -70,13 +71,11 @@ def quick_probe(bb, ds, shots, max_test, seed) -> float:
 
 
 def main(argv) -> int:
-    opts = dict(a.split("=", 1) for a in argv if "=" in a)
-    bad = [a for a in argv if "=" not in a] + [k for k in opts if k not in ("backbone", "max_test", "seed", "probe")]
-    if bad:
-        print(f"world2_check: unknown argument(s) {bad}; use backbone=NAME max_test=N seed=S probe=true|false", file=sys.stderr)
+    try:
+        cfg = load_config(argv, CheckConfig)
+    except (ConfigError, ValueError) as e:  # an unknown key, a value of the wrong type
+        print(f"world2_check: {e}", file=sys.stderr)
         return 2
-    cfg = CheckConfig(backbone=opts.get("backbone", "w2-clip"), max_test=int(opts.get("max_test", 2000)),
-                      seed=int(opts.get("seed", 1)), probe=opts.get("probe", "false").lower() in ("true", "1"))
     bb = load_backbone(BackboneConfig(name=cfg.backbone, device="cpu"))
     shots = (1, 4, 16) if cfg.probe else ()
     print(f"{'task':15s} {'classes':>7s} {'zs single':>9s} {'zs ens':>7s} {'1-NN':>6s}"

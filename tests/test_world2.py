@@ -164,6 +164,8 @@ def test_shipped_world2_cards_match_their_weights_and_recipe():
     ("pretrain_world2.py", "recipe=w2-foo", "recipe must be one of"),
     ("pretrain_world2.py", "stepz=3", "Did you mean: 'steps'"),
     ("world2_pixel_ceiling.py", "tsk=w2-cars", "Did you mean: 'task'"),
+    ("world2_check.py", "max_test=abc", "max_test"),
+    ("world2_check.py", "probes=true", "Did you mean: 'probe'"),
 ])
 def test_world2_scripts_answer_a_bad_argument_in_one_line(script, arg, words):
     root = Path(__file__).resolve().parents[1]
