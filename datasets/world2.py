@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 
 import numpy as np
 
@@ -429,8 +429,10 @@ FILLER_WORDS = ("my", "our", "nice", "old", "new", "look", "at", "here", "is", "
 MAX_CAPTION_WORDS = 21  # with a comma token, start and end: within the 24-token context
 
 
-def describe(con: Concept) -> list[str]:
-    """Attribute phrases a caption may say of concept ``con`` (each a list of words, in a fixed order)."""
+@cache
+def describe(con: Concept) -> tuple[tuple[str, ...], ...]:
+    """Attribute phrases a caption may say of concept ``con`` (each a tuple of words, in a fixed order); a pure
+    function of the concept, computed once (captions ask for it for every image)."""
     p = con.params
     fam = FAMILIES[FAMILY_INDEX[con.family]]
     second = _nearest_colour(_palette(np.array(p[11:14])))
@@ -443,22 +445,24 @@ def describe(con: Concept) -> list[str]:
                ["with", "a", side, PART_WORDS[int(p[5] > 0.5)]]]
         if con.fill != "plain":
             out.append(["with", second, {"striped": "stripes", "dotted": "dots", "ringed": "rings"}[con.fill]])
-        return out
-    if fam.kind == "texture":
+    elif fam.kind == "texture":
         ang = int(((p[0] + 0.125) % 1.0) * 4) % 4
-        return [[("horizontal", "diagonal", "vertical", "diagonal")[ang]], ["fine" if p[2] > 0.5 else "coarse"],
-                ["sharp" if p[5] > 0.5 else "soft"], ["and", second]]
-    if fam.kind == "scene":
-        return [["with", "few" if p[1] < 0.4 else "many", "tall" if p[3] > 0.5 else "low",
-                 "pointy" if p[4] > 0.5 else "flat", "blocks"],
-                ["with", "a", "high" if p[0] > 0.5 else "low", "horizon"], ["and", second, "ground"]]
-    return [["with", "roads"] if p[4] > 0.5 else ["without", "roads"], ["fine" if p[0] < 0.4 else "coarse"],
-            ["patchy" if p[2] > 0.5 else "plain"]]
+        out = [[("horizontal", "diagonal", "vertical", "diagonal")[ang]], ["fine" if p[2] > 0.5 else "coarse"],
+               ["sharp" if p[5] > 0.5 else "soft"], ["and", second]]
+    elif fam.kind == "scene":
+        out = [["with", "few" if p[1] < 0.4 else "many", "tall" if p[3] > 0.5 else "low",
+                "pointy" if p[4] > 0.5 else "flat", "blocks"],
+               ["with", "a", "high" if p[0] > 0.5 else "low", "horizon"], ["and", second, "ground"]]
+    else:
+        out = [["with", "roads"] if p[4] > 0.5 else ["without", "roads"], ["fine" if p[0] < 0.4 else "coarse"],
+               ["patchy" if p[2] > 0.5 else "plain"]]
+    return tuple(tuple(ph) for ph in out)
 
 
 def captions(concepts: np.ndarray, styles: np.ndarray, seed: int, index: np.ndarray) -> list[str]:
-    """Pretraining captions: 0-3 filler words, a style opener, some attribute words and the concept's name (with
-    its family's ``name_p``; else the family word), and sometimes ", a kind of <family word>".
+    """Pretraining captions: 1-14 filler words (40% of captions), an opener (the family's own with its
+    ``opener_p`` in photos, else the style's), some attribute words and the concept's name (with its family's
+    ``name_p``; else the family word), and sometimes ", a kind of <family word>"; at most ``MAX_CAPTION_WORDS``.
 
     Attributes: the main colour (half the time, objects and textures), the fill of objects (a third), and each
     of ``describe``'s phrases with probability 0.5 when the name is not said and 0.15 when it is."""

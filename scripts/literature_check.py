@@ -56,7 +56,8 @@ def main(argv) -> int:
     folders, failed = [], 0
     if args.read_only:
         folders = [str(Path(out) / SWEEPS[p][1]) for out in outs for p in protocols]
-    for p in [] if args.read_only else protocols:
+        protocols = []  # nothing to run
+    for p in protocols:
         config, sub = SWEEPS[p]
         folder = Path(outs[0]) / sub
         folders.append(str(folder))

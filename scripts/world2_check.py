@@ -35,28 +35,26 @@ class CheckConfig:
     probe: bool = False
 
 
-def nn_one_shot(bb, ds, max_test, seed) -> float:
-    """Top-1 of a 1-shot nearest neighbour on the image embeddings (cosine), mean over the seed's draw."""
-    pool = ds.items("train")
-    train = [pool[i] for i in sample_few_shot([it.label for it in pool], 1, seed)]
-    f_tr, y_tr = extract_features(bb, ds, train, batch_size=256, desc=f"{ds.name} 1-shot")
-    f_te, y_te = extract_features(bb, ds, test_items(ds, max_test), batch_size=256, desc=f"{ds.name} test")
-    a = torch.nn.functional.normalize(f_tr.float(), dim=-1)
-    b = torch.nn.functional.normalize(f_te.float(), dim=-1)
-    pred = y_tr[(b @ a.T).argmax(1)]
-    return float((pred == y_te).float().mean() * 100)
-
-
-def quick_probe(bb, ds, shots, max_test, seed) -> float:
-    """Top-1 of a logistic regression on ``shots`` images a class (the seed's draw), L-BFGS, L2 penalty 1e-3."""
+def shot_features(bb, ds, shots: int, seed: int):
+    """L2-normalised image embeddings and labels of the seed's ``shots``-per-class draw of the train split."""
     pool = ds.items("train")
     train = [pool[i] for i in sample_few_shot([it.label for it in pool], shots, seed)]
-    f_tr, y_tr = extract_features(bb, ds, train, batch_size=256, desc=f"{ds.name} {shots}-shot")
-    f_te, y_te = extract_features(bb, ds, test_items(ds, max_test), batch_size=256, desc=f"{ds.name} test")
-    a = torch.nn.functional.normalize(f_tr.float(), dim=-1)
-    b = torch.nn.functional.normalize(f_te.float(), dim=-1)
-    w = torch.zeros(a.shape[1], len(ds.classnames), requires_grad=True)
-    bias = torch.zeros(len(ds.classnames), requires_grad=True)
+    f, y = extract_features(bb, ds, train, batch_size=256, desc=f"{ds.name} {shots}-shot")
+    return torch.nn.functional.normalize(f.float(), dim=-1), y
+
+
+def nn_one_shot(train, test) -> float:
+    """Top-1 of a nearest neighbour (cosine) on the image embeddings: ``train`` and ``test`` are (features,
+    labels) pairs, the features L2-normalised."""
+    (a, y_tr), (b, y_te) = train, test
+    return float((y_tr[(b @ a.T).argmax(1)] == y_te).float().mean() * 100)
+
+
+def quick_probe(train, test, n_classes: int) -> float:
+    """Top-1 of a logistic regression on ``train`` (features, labels), L-BFGS, L2 penalty 1e-3."""
+    (a, y_tr), (b, y_te) = train, test
+    w = torch.zeros(a.shape[1], n_classes, requires_grad=True)
+    bias = torch.zeros(n_classes, requires_grad=True)
     opt = torch.optim.LBFGS([w, bias], max_iter=200, line_search_fn="strong_wolfe")
 
     def closure():
@@ -86,9 +84,13 @@ def main(argv) -> int:
         ds = build_dataset(DataConfig(name=task, max_test=cfg.max_test))
         zs1 = score_zeroshot(bb, ds, templates="single", max_test=cfg.max_test)["top1"]
         zse = score_zeroshot(bb, ds, templates="ensemble", max_test=cfg.max_test)["top1"]
-        nn = nn_one_shot(bb, ds, cfg.max_test, cfg.seed) if "train" in ds.splits else float("nan")
-        lp = [quick_probe(bb, ds, k, cfg.max_test, cfg.seed) if "train" in ds.splits else float("nan")
-              for k in shots]
+        nn, lp = float("nan"), [float("nan")] * len(shots)
+        if "train" in ds.splits:  # the test images encoded once, each draw once, for 1-NN and the probes
+            f_te, y_te = extract_features(bb, ds, test_items(ds, cfg.max_test), batch_size=256, desc=f"{task} test")
+            test = (torch.nn.functional.normalize(f_te.float(), dim=-1), y_te)
+            draws = {k: shot_features(bb, ds, k, cfg.seed) for k in sorted({1, *shots})}
+            nn = nn_one_shot(draws[1], test)
+            lp = [quick_probe(draws[k], test, len(ds.classnames)) for k in shots]
         rows.append((task, zs1, zse, nn, *lp))
         print(f"{task:15s} {len(ds.classnames):7d} {zs1:9.1f} {zse:7.1f} {nn:6.1f}"
               + "".join(f" {x:6.1f}" for x in lp), flush=True)

@@ -1,6 +1,8 @@
 """The literature check's statistics (issue 31): Spearman's rho, the reproduction rule, the aggregation of sweep
 runs, and the findings computed on the published table itself."""
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,9 +94,6 @@ def test_the_linear_probe_crossing_needs_four_shots_measured():
 
 
 def test_the_check_reads_several_finished_grids_together_and_only_read_only(tmp_path):
-    import subprocess
-    import sys
-
     root = Path(__file__).resolve().parents[1]
     script = [sys.executable, str(root / "scripts" / "literature_check.py")]
     for bb in ("toy-clip", "toy-euclip"):
