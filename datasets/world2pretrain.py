@@ -45,7 +45,7 @@ VOCAB_FILE = "w2-vocab.json"
 class World2PretrainConfig:
     recipe: str = "w2-clip"
     seed: int = 0
-    steps: int = 1500
+    steps: int = 1000
     batch_size: int = 128
     lr: float = 2e-3
     weight_decay: float = 0.1

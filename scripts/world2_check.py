@@ -12,7 +12,7 @@ zero-shot, not fewclip's ``linear_probe`` method with its validation search).
 """
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -29,7 +29,8 @@ from fewclip.runs.run import score_zeroshot
 
 @dataclass
 class CheckConfig:
-    backbone: str = "w2-clip"
+    # a section, as in every fewclip command: `backbone=w2-clip` or `backbone=/path/card.yaml` sets its name
+    backbone: BackboneConfig = field(default_factory=lambda: BackboneConfig(name="w2-clip", device="cpu"))
     max_test: Optional[int] = 2000
     seed: int = 1
     probe: bool = False
@@ -74,7 +75,7 @@ def main(argv) -> int:
     except (ConfigError, ValueError) as e:  # an unknown key, a value of the wrong type
         print(f"world2_check: {e}", file=sys.stderr)
         return 2
-    bb = load_backbone(BackboneConfig(name=cfg.backbone, device="cpu"))
+    bb = load_backbone(cfg.backbone)
     shots = (1, 4, 16) if cfg.probe else ()
     print(f"{'task':15s} {'classes':>7s} {'zs single':>9s} {'zs ens':>7s} {'1-NN':>6s}"
           + "".join(f" {'LP' + str(k):>6s}" for k in shots))

@@ -1,5 +1,6 @@
 """World 2 (issue 31): deterministic generation, class counts, base/new splits of genuinely new concepts, and the
 domain-shift family's targets."""
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -160,15 +161,37 @@ def test_shipped_world2_cards_match_their_weights_and_recipe():
         assert WordTokenizer.load(REFERENCE_DIR / VOCAB_FILE).words == w2.vocabulary()
 
 
-@pytest.mark.parametrize("script, arg, words", [
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+def script(name: str):
+    """A script of scripts/ imported as a module (its ``main(argv)`` returns the exit code)."""
+    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), SCRIPTS / name)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("name, arg, words", [
     ("pretrain_world2.py", "recipe=w2-foo", "recipe must be one of"),
     ("pretrain_world2.py", "stepz=3", "Did you mean: 'steps'"),
     ("world2_pixel_ceiling.py", "tsk=w2-cars", "Did you mean: 'task'"),
     ("world2_check.py", "max_test=abc", "max_test"),
     ("world2_check.py", "probes=true", "Did you mean: 'probe'"),
 ])
-def test_world2_scripts_answer_a_bad_argument_in_one_line(script, arg, words):
-    root = Path(__file__).resolve().parents[1]
-    p = subprocess.run([sys.executable, str(root / "scripts" / script), arg], capture_output=True, text=True,
-                       timeout=300, cwd=root)
-    assert p.returncode == 2 and words in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+def test_world2_scripts_answer_a_bad_argument_in_one_line(name, arg, words, capsys):
+    assert script(name).main([arg]) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_a_bad_argument_exits_2_from_the_command_line():
+    p = subprocess.run([sys.executable, str(SCRIPTS / "world2_check.py"), "max_test=abc"], capture_output=True,
+                       text=True, timeout=300, cwd=SCRIPTS.parent)
+    assert p.returncode == 2 and "max_test" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+@pytest.mark.parametrize("value", ["w2-euclip", "/somewhere/w2-clip.yaml"])
+def test_the_check_takes_a_backbone_name_or_card_as_fewclip_commands_do(value):
+    check = script("world2_check.py")
+    assert check.load_config([f"backbone={value}"], check.CheckConfig).backbone.name == value
