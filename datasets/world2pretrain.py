@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Optional
 
@@ -54,6 +54,7 @@ class World2PretrainConfig:
     width: int = 64
     vision_layers: int = 4
     text_layers: int = 3
+    text_width: Optional[int] = None  # the text tower's width; None: the same as the image tower's (width)
     head_width: int = 16
     patch_size: int = 8  # 16 tokens of 8x8 pixels: a quarter of the first world's ViT cost, for CPU pretraining
     context_length: int = 24  # room for CoOp's 16 context vectors, a name and a tail; captions up to 21 words
@@ -71,6 +72,23 @@ class World2PretrainConfig:
             raise ValueError("steps must be >= 1 and batch_size >= 2")
 
 
+# always written into a card's command; any other field only where it differs from its default
+_COMMAND_FIELDS = ("recipe", "seed", "steps", "batch_size")
+_NOT_IN_COMMAND = ("out", "device", "log_every", "threads", "workers")  # none changes the weights
+
+
+def command(cfg: World2PretrainConfig) -> str:
+    """The command that remakes ``cfg``'s weights: the recipe, seed, steps and batch size, every other setting
+    that differs from its default (an architecture or optimiser change), and the thread count if set."""
+    default = World2PretrainConfig(recipe=cfg.recipe)
+    parts = [f"{k}={getattr(cfg, k)}" for k in _COMMAND_FIELDS]
+    parts += [f"{f.name}={getattr(cfg, f.name)}" for f in fields(cfg)
+              if f.name not in _COMMAND_FIELDS + _NOT_IN_COMMAND and getattr(cfg, f.name) != getattr(default, f.name)]
+    if cfg.threads:
+        parts.append(f"threads={cfg.threads}")
+    return "python scripts/pretrain_world2.py " + " ".join(parts)
+
+
 def tokenizer(context_length: int = 24) -> WordTokenizer:
     return WordTokenizer(w2.vocabulary(), context_length=context_length)
 
@@ -78,13 +96,14 @@ def tokenizer(context_length: int = 24) -> WordTokenizer:
 def model_config(cfg: World2PretrainConfig, vocab_size: int) -> dict:
     recipe = RECIPES[cfg.recipe]
     extra = {"init_logit_bias": recipe["geometry_params"]["logit_bias"]} if recipe["geometry"] == "sigmoid" else {}
+    text_width = cfg.text_width or cfg.width
     return {
         **extra,
         "embed_dim": cfg.embed_dim,
         "vision_cfg": {"image_size": w2.IMAGE_SIZE, "patch_size": cfg.patch_size, "width": cfg.width,
                        "layers": cfg.vision_layers, "head_width": cfg.head_width, "mlp_ratio": 4.0},
-        "text_cfg": {"context_length": cfg.context_length, "vocab_size": vocab_size, "width": cfg.width,
-                     "heads": cfg.width // cfg.head_width, "layers": cfg.text_layers, "mlp_ratio": 4.0,
+        "text_cfg": {"context_length": cfg.context_length, "vocab_size": vocab_size, "width": text_width,
+                     "heads": text_width // cfg.head_width, "layers": cfg.text_layers, "mlp_ratio": 4.0,
                      "pool_type": "argmax"},
     }
 
@@ -197,8 +216,7 @@ def save_reference(cfg: World2PretrainConfig, model: nn.Module, geometry: Geomet
         "geometry": {"name": recipe["geometry"], **{k: float(v) for k, v in geometry.params().items()}},
         "preprocess": {"mean": list(TOY_MEAN), "std": list(TOY_STD)},
         "trained_with": {
-            "command": f"python scripts/pretrain_world2.py recipe={name} seed={cfg.seed} steps={cfg.steps} "
-                       f"batch_size={cfg.batch_size}" + (f" threads={cfg.threads}" if cfg.threads else ""),
+            "command": command(cfg),
             "device": device_name,
             "train_time_s": round(train_time_s, 1),
             "final_loss_ema": round(history[-1]["loss_ema"], 4) if history else None,

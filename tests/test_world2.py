@@ -195,3 +195,18 @@ def test_a_bad_argument_exits_2_from_the_command_line():
 def test_the_check_takes_a_backbone_name_or_card_as_fewclip_commands_do(value):
     check = script("world2_check.py")
     assert check.load_config([f"backbone={value}"], check.CheckConfig).backbone.name == value
+
+
+@pytest.mark.parametrize("args", [["recipe=w2-meru", "threads=1"], ["text_width=128", "text_layers=4", "lr=0.001"],
+                                  ["data_seed=5", "steps=20", "out=/tmp/x", "workers=2"]])
+def test_a_cards_command_remakes_its_config(args):
+    from fewclip.config.compose import load_config
+    from fewclip.datasets.world2pretrain import World2PretrainConfig, command
+
+    cfg = load_config(args, World2PretrainConfig)
+    line = command(cfg)
+    assert line.startswith(f"python scripts/pretrain_world2.py recipe={cfg.recipe} seed=0 steps={cfg.steps} ")
+    again = load_config(line.split()[2:], World2PretrainConfig)
+    for name in ("out", "workers"):  # where the files go and how the batches are made: not the weights
+        setattr(again, name, getattr(cfg, name))
+    assert again == cfg
