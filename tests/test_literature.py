@@ -1,14 +1,14 @@
 """The literature check's statistics (issue 31): Spearman's rho, the reproduction rule, the aggregation of sweep
 runs, and the findings computed on the published table itself."""
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from fewclip.cli.main import main as cli_main
 from fewclip.report.literature import correlations, findings, harmonic, measured_side, published_side, ranks, reproduced, spearman
 from fewclip.report.runs import RunResult
+from helpers.scripts import load_script
 
 
 def test_ranks_average_ties():
@@ -93,18 +93,16 @@ def test_the_linear_probe_crossing_needs_four_shots_measured():
     assert f7.measured == [4.0] and f7.verdict is True
 
 
-def test_the_check_reads_several_finished_grids_together_and_only_read_only(tmp_path):
-    root = Path(__file__).resolve().parents[1]
-    script = [sys.executable, str(root / "scripts" / "literature_check.py")]
+def test_the_check_reads_several_finished_grids_together_and_only_read_only(tmp_path, capsys):
     for bb in ("toy-clip", "toy-euclip"):
-        p = subprocess.run([sys.executable, "-m", "fewclip.cli", "train", "adapter=zeroshot", "shots=0",
-                            "data=toy-shapes", f"backbone={bb}", f"out={tmp_path / bb / 'fewshot' / 'zs'}"],
-                           capture_output=True, text=True, timeout=600, cwd=root)
-        assert p.returncode == 0, p.stderr
-    p = subprocess.run(script + ["--read-only", "--protocols", "fewshot", "--out", str(tmp_path / "toy-clip"),
-                                 "--out", str(tmp_path / "toy-euclip")], capture_output=True, text=True,
-                       timeout=600, cwd=root)
-    assert p.returncode == 0, p.stderr
-    assert "measured on toy-clip, toy-euclip" in p.stdout
-    p = subprocess.run(script + ["--out", "a", "--out", "b"], capture_output=True, text=True, timeout=600, cwd=root)
-    assert p.returncode == 2 and "needs --read-only" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+        out = tmp_path / bb / "fewshot" / "zs"
+        assert cli_main(["train", "adapter=zeroshot", "shots=0", "data=toy-shapes", f"backbone={bb}", f"out={out}"]) == 0
+    check = load_script("literature_check.py")
+    capsys.readouterr()
+    args = ["--read-only", "--protocols", "fewshot", "--out", str(tmp_path / "toy-clip"), "--out",
+            str(tmp_path / "toy-euclip")]
+    assert check.main(args) == 0
+    assert "measured on toy-clip, toy-euclip" in capsys.readouterr().out
+    assert check.main(["--out", "a", "--out", "b"]) == 2
+    err = capsys.readouterr().err
+    assert "needs --read-only" in err and len(err.strip().splitlines()) == 1

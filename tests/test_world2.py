@@ -1,9 +1,7 @@
 """World 2 (issue 31): deterministic generation, class counts, base/new splits of genuinely new concepts, and the
 domain-shift family's targets."""
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +11,7 @@ from fewclip.backbones.tokenizer import WordTokenizer
 from fewclip.data.base import DataConfig, build_dataset
 from fewclip.data.protocols import base_new_classes, class_map
 from fewclip.datasets.world2tasks import CROSS_DATASET_TARGETS, DOMAIN_SHIFT_TARGETS, FEWSHOT_TASKS, TASKS, World2Task
+from helpers.scripts import SCRIPTS, load_script
 
 
 def test_catalogue_has_hundreds_of_uniquely_named_concepts_in_every_family():
@@ -161,17 +160,6 @@ def test_shipped_world2_cards_match_their_weights_and_recipe():
         assert WordTokenizer.load(REFERENCE_DIR / VOCAB_FILE).words == w2.vocabulary()
 
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-
-
-def script(name: str):
-    """A script of scripts/ imported as a module (its ``main(argv)`` returns the exit code)."""
-    spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), SCRIPTS / name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("name, arg, words", [
     ("pretrain_world2.py", "recipe=w2-foo", "recipe must be one of"),
     ("pretrain_world2.py", "stepz=3", "Did you mean: 'steps'"),
@@ -180,7 +168,7 @@ def script(name: str):
     ("world2_check.py", "probes=true", "Did you mean: 'probe'"),
 ])
 def test_world2_scripts_answer_a_bad_argument_in_one_line(name, arg, words, capsys):
-    assert script(name).main([arg]) == 2
+    assert load_script(name).main([arg]) == 2
     err = capsys.readouterr().err
     assert words in err and len(err.strip().splitlines()) == 1, err
 
@@ -193,7 +181,7 @@ def test_a_bad_argument_exits_2_from_the_command_line():
 
 @pytest.mark.parametrize("value", ["w2-euclip", "/somewhere/w2-clip.yaml"])
 def test_the_check_takes_a_backbone_name_or_card_as_fewclip_commands_do(value):
-    check = script("world2_check.py")
+    check = load_script("world2_check.py")
     assert check.load_config([f"backbone={value}"], check.CheckConfig).backbone.name == value
 
 
