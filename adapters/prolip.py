@@ -116,6 +116,10 @@ class ProLIP(Adapter):
 
     name = "prolip"
     trained_by = "fit"
+    # The trained projection is the same for every class: other class names (base-to-novel's new classes, a
+    # cross-dataset target) are scored by their zero-shot prototypes through it, as the authors' base-to-new
+    # evaluation does (ProLIP @ b43e795, methods/ProLIP_eval.py: the saved projection, the new classes' text weights).
+    supports_new_classes = True
 
     def __init__(self, cfg: ProLIPConfig, backbone, classnames: Sequence[str], templates: Sequence[str], *,
                  generator: Optional[torch.Generator] = None):  # deterministic: starts at the pretrained projection
@@ -135,6 +139,12 @@ class ProLIP(Adapter):
 
     def feature_tower(self):
         return self.backbone.tower_variant("preproj")
+
+    def for_classnames(self, classnames: Sequence[str], templates: Sequence[str]) -> ProLIP:
+        """The trained projection with the prototypes of other class names and templates, in eval mode."""
+        if list(classnames) == self.classnames and list(templates) == self.templates:
+            return self
+        return self.rebuilt_for(classnames, templates)
 
     def logits_with(self, proj: Tensor, z: Tensor) -> Tensor:
         """The geometry's logits of pre-projection features z [B, W] through the projection [W, D] (and the

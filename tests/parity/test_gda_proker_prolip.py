@@ -15,7 +15,7 @@ from fewclip.adapters.proker import ProKeR, ProKeRConfig, grid, kernel, solve_cg
 from fewclip.adapters.prolip import ProLIP, ProLIPConfig
 from fewclip.backbones.backbone import BackboneError
 from fewclip.backbones.geometry import make_geometry
-from fewclip.features.encode import FeatureCache, Features
+from fewclip.features.encode import FeatureCache, Features, text_prototypes
 from fewclip.features.store import FeatureStore
 from fewclip.training.engine import FitData, TrainConfig
 from fewclip.utils.errors import NonFiniteError
@@ -189,6 +189,30 @@ def test_gda_proker_prolip_start_at_zero_shot_in_every_geometry(name, cards):  #
         torch.testing.assert_close(z @ bb.image_projection(), feats, rtol=1e-5, atol=1e-5)
         check(pl(z))  # at the pretrained projection
         check(pl(pl.encode_images(px)))  # what an export does: its own tower, then forward
+
+
+@pytest.mark.parametrize("name", ["toy-clip", "toy-meru"])
+def test_prolip_scores_other_class_names_through_its_trained_projection(name, cards):  # noqa: F811
+    # base-to-novel's new classes: the trained projection, the new names' zero-shot prototypes (the authors'
+    # ProLIP_eval); an untrained ProLIP on new names is zero-shot on them
+    bb = backbone(name, cards)
+    gen = torch.Generator().manual_seed(3)
+    px = torch.randn(6, 3, bb.image_size, bb.image_size, generator=gen)
+    pl = ProLIP(ProLIPConfig(views=1, epochs=20, search=False, lr=1e-2, lmbda=0.0), bb, NAMES, TEMPLATES)
+    z = pl.encode_images(px)
+    y = torch.arange(6) % len(NAMES)
+    pl.fit(FitData(Features(z, y), [Features(z, y)], Features(z[:0], y[:0]), TrainConfig(), 2, torch.Generator()))
+    assert not torch.allclose(pl.projection, pl.initial)
+    new = ["triangle", "dog", "red circle", "blue square"]
+    other = pl.for_classnames(new, TEMPLATES)
+    assert other is not pl and pl.for_classnames(NAMES, TEMPLATES) is pl and not other.training
+    with torch.no_grad():
+        want = bb.geometry.image_logits(z @ pl.projection, text_prototypes(bb, new, TEMPLATES))
+        torch.testing.assert_close(other(z), want, rtol=1e-5, atol=1e-5)
+        zs = bb.geometry.image_logits(z @ pl.initial, text_prototypes(bb, new, TEMPLATES))
+        assert not torch.allclose(other(z), zs, atol=1e-3)  # the training carried over to the new names
+        fresh = ProLIP(ProLIPConfig(views=1, search=False), bb, NAMES, TEMPLATES).for_classnames(new, TEMPLATES)
+        torch.testing.assert_close(fresh(z), zs, rtol=1e-5, atol=1e-5)
 
 
 def test_the_preprojection_variant_is_keyed_apart_and_refused_without_a_projection(cards):  # noqa: F811
