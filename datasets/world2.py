@@ -65,6 +65,7 @@ class Family:
     zipf: float = 1.0  # concept frequency ~ rank^-zipf inside the family
     openers: tuple[str, ...] = ()  # how the web captions this family's photos (a satellite image, a close-up)
     opener_p: float = 0.0  # how often a photo's caption opens so, instead of "a photo of a"
+    confuse_p: float = 0.1  # how often a caption that names a concept names its confuser instead (see confusers)
 
 
 FAMILIES: tuple[Family, ...] = (
@@ -168,6 +169,24 @@ def _palette(p3: np.ndarray) -> np.ndarray:
     k = lambda n: (n + h * 6) % 6  # noqa: E731
     f = lambda n: v - v * s * np.clip(np.minimum(k(n), 4 - k(n)), 0, 1)  # noqa: E731
     return np.stack([f(5), f(3), f(1)], -1) * 255
+
+
+@lru_cache(maxsize=1)
+def confusers() -> tuple[int, ...]:
+    """Each concept's confuser: a fixed other concept of its family (drawn once from the concept's id), whose name
+    the web's captions sometimes give it (``Family.confuse_p``), as alt-text calls one sparrow another.
+
+    Why: with clean names, prompts learned on base classes carried over to new ones (CoOp's new-class accuracy
+    stayed at or above zero-shot; the field's finding 1 is the opposite). Misnamed captions make a name's text
+    embedding a blend of two concepts, which zero-shot averages over and base-class training fits to its own
+    classes; at 10% CoOp's new-class accuracy fell below zero-shot on the fine-grained tasks (docs/world2.md)."""
+    out = []
+    for fam in FAMILIES:
+        ids = [c.id for c in catalogue() if c.family == fam.name]
+        for k, cid in enumerate(ids):
+            shift = int(np.random.default_rng(cid).integers(1, len(ids)))
+            out.append(ids[(k + shift) % len(ids)])
+    return tuple(out)
 
 
 def concepts_of(family: str) -> list[Concept]:
@@ -462,7 +481,8 @@ def describe(con: Concept) -> tuple[tuple[str, ...], ...]:
 def captions(concepts: np.ndarray, styles: np.ndarray, seed: int, index: np.ndarray) -> list[str]:
     """Pretraining captions: 1-14 filler words (40% of captions), an opener (the family's own with its
     ``opener_p`` in photos, else the style's), some attribute words and the concept's name (with its family's
-    ``name_p``; else the family word), and sometimes ", a kind of <family word>"; at most ``MAX_CAPTION_WORDS``.
+    ``name_p``; else the family word; a ``confuse_p`` share of those names are the confuser's, see ``confusers``),
+    and sometimes ", a kind of <family word>"; at most ``MAX_CAPTION_WORDS``.
 
     Attributes: the main colour (half the time, objects and textures), the fill of objects (a third), and each
     of ``describe``'s phrases with probability 0.5 when the name is not said and 0.15 when it is."""
@@ -472,6 +492,8 @@ def captions(concepts: np.ndarray, styles: np.ndarray, seed: int, index: np.ndar
         ["name", "colour", "fill", "opener", "kind", "form", "nfill", "desc", "fopener"])}
     fill_u = [uniform(seed, idx, 340 + j) for j in range(14)]
     desc_u = [uniform(seed, idx, 330 + j) for j in range(5)]
+    confuse_u = uniform(seed, idx, 399)
+    confuser = confusers()
     out = []
     for i, (c, s) in enumerate(zip(concepts, styles)):
         con = cat[int(c)]
@@ -491,7 +513,7 @@ def captions(concepts: np.ndarray, styles: np.ndarray, seed: int, index: np.ndar
         phrases = [ph for j, ph in enumerate(describe(con)) if float(desc_u[j][i]) < p_desc]
         adj += [w for ph in phrases if len(ph) == 1 for w in ph]  # one-word attributes go before the noun
         after = [w for ph in phrases if len(ph) > 1 for w in ph]
-        noun = con.name if named else fam.word
+        noun = (cat[confuser[con.id]].name if confuse_u[i] < fam.confuse_p else con.name) if named else fam.word
         tail = [",", "a", "kind", "of", fam.word] if named and g["kind"] < 0.4 else \
             ["texture"] if fam.kind == "texture" and g["form"] < 0.5 else []
         if STYLES[int(s)] == "photo" and g["fopener"] < fam.opener_p:

@@ -67,6 +67,33 @@ def test_captions_read_a_name_where_coop_puts_it_and_caption_families_their_own_
     assert described / len(unnamed) > 0.3
 
 
+def test_some_captions_name_a_concept_by_its_fixed_confuser():
+    cat = w2.catalogue()
+    conf = w2.confusers()
+    # a fixed other concept of the same family, and not always the same one across a family
+    assert all(cat[conf[c.id]].family == c.family and conf[c.id] != c.id for c in cat)
+    assert len({conf[c.id] for c in w2.concepts_of("car")}) > 40
+    idx = np.arange(20_000)
+    concepts, styles = w2.sample_pretrain(11, idx)
+    caps = w2.captions(concepts, styles, 11, idx)
+    own = wrong = other = 0
+    rates = []  # the family's confuse_p of each caption that names a concept
+    for cap, k in zip(caps, concepts):
+        words = cap.replace(",", " ,").split()
+        if cat[k].name in words:
+            own += 1
+        elif cat[conf[k]].name in words:
+            wrong += 1
+        elif any(c.name in words for c in cat):
+            other += 1
+            continue
+        else:
+            continue
+        rates.append(w2.FAMILIES[w2.FAMILY_INDEX[cat[k].family]].confuse_p)
+    assert other == 0  # a caption names its concept, its confuser or nothing
+    assert wrong / (own + wrong) == pytest.approx(np.mean(rates), abs=0.01) and wrong > 500
+
+
 def test_half_the_world_is_mirrored():
     # the same concept, pose and colours drawn for two indices differ only by the mirror; over many images
     # the part (and the silhouette's phase) sits on each side about equally often
