@@ -17,6 +17,7 @@ so a run is a pure function of its config and seed on a given device.
 """
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 from omegaconf import OmegaConf
-from safetensors.torch import save_file
+from safetensors.torch import save as safetensors_save
 
 import fewclip.datasets.toyworld as tw
 from fewclip.backbones.backbone import build_open_clip_model, remove_final_ln, resolve_device
@@ -217,6 +218,22 @@ def pretrain(cfg: PretrainConfig):
     return model, geometry, tokenizer, mcfg, history
 
 
+
+def save_weights(path: Path, sd: dict[str, torch.Tensor], name: str) -> Path:
+    """Write a reference backbone's weights as safetensors, the same bytes for the same tensors on every run.
+
+    safetensors writes its header's metadata from a hash map, in an order that changes from process to process
+    (two trainings of the same weights gave files with the same tensors and different SHA-256s); here the header
+    is written again with the metadata's keys sorted."""
+    raw = safetensors_save(sd, metadata={"format": "pt", "fewclip": name})
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # the tensor data stays 8-byte aligned
+    data = len(text).to_bytes(8, "little") + text + raw[8 + n:]
+    return atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+
 def save_reference(cfg: PretrainConfig, model: nn.Module, geometry: Geometry, tokenizer: WordTokenizer,
                    mcfg: dict, history: list[dict], out_dir: str | Path, train_time_s: float,
                    device_name: str) -> Path:
@@ -230,8 +247,7 @@ def save_reference(cfg: PretrainConfig, model: nn.Module, geometry: Geometry, to
         if getattr(model, "logit_bias", None) is not None:
             model.logit_bias.copy_(geometry.bias.detach())
     sd = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in model.state_dict().items()}
-    weights = out / f"{name}.safetensors"
-    atomic_write(weights, lambda tmp: save_file(sd, tmp, metadata={"format": "pt", "fewclip": name}))
+    weights = save_weights(out / f"{name}.safetensors", sd, name)
     vocab = out / "toy-vocab.json"
     tokenizer.save(vocab)
     recipe = RECIPES[name]

@@ -23,16 +23,15 @@ import numpy as np
 import torch
 import torch.nn as nn
 from omegaconf import OmegaConf
-from safetensors.torch import save_file
 
 import fewclip.datasets.world2 as w2
 from fewclip.backbones.backbone import build_open_clip_model, remove_final_ln, resolve_device
 from fewclip.backbones.geometry import Geometry, make_geometry
 from fewclip.backbones.tokenizer import WordTokenizer
 from fewclip.datasets.toypretrain import RECIPES as TOY_RECIPES
-from fewclip.datasets.toypretrain import TOY_MEAN, TOY_STD, _param_groups
+from fewclip.datasets.toypretrain import TOY_MEAN, TOY_STD, _param_groups, save_weights
 from fewclip.utils.checksums import sha256_file
-from fewclip.utils.io import atomic_write, atomic_write_text
+from fewclip.utils.io import atomic_write_text
 from fewclip.utils.rng import forked_global_rng
 
 log = logging.getLogger(__name__)
@@ -199,8 +198,7 @@ def save_reference(cfg: World2PretrainConfig, model: nn.Module, geometry: Geomet
     sd = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in model.state_dict().items()}
     if not all(torch.isfinite(v).all() for v in sd.values()):
         raise RuntimeError(f"{name}: non-finite weights after fp16 conversion; nothing saved")
-    weights = out / f"{name}.safetensors"
-    atomic_write(weights, lambda tmp: save_file(sd, tmp, metadata={"format": "pt", "fewclip": name}))
+    weights = save_weights(out / f"{name}.safetensors", sd, name)
     vocab = out / VOCAB_FILE
     tok.save(vocab)
     recipe = RECIPES[name]

@@ -12,7 +12,8 @@ from fewclip.backbones.backbone import REFERENCE_DIR, BackboneConfig, load_backb
 from fewclip.data.protocols import plan_base2new
 from fewclip.data.splits import TEST_SUBSET_SEED
 from fewclip.datasets import DataConfig, build_dataset
-from fewclip.datasets.toypretrain import RECIPES, TOY_MEAN, TOY_STD, PretrainConfig, batch_tensors, pretrain, save_reference
+from fewclip.datasets.toypretrain import (RECIPES, TOY_MEAN, TOY_STD, PretrainConfig, batch_tensors, pretrain, save_reference,
+                                          save_weights)
 from fewclip.datasets.toytasks import TASKS
 from fewclip.runs.run import score_zeroshot
 
@@ -155,6 +156,22 @@ def test_pretraining_is_a_function_of_its_config():
     c = pretrain(tiny_pretrain("toy-meru", steps=3, seed=1))[-1]
     assert [h["loss"] for h in a] == [h["loss"] for h in b]
     assert [h["loss"] for h in a] != [h["loss"] for h in c]
+
+
+def test_the_same_weights_are_saved_as_the_same_bytes(tmp_path):
+    # safetensors orders its header's metadata from a hash map, differently from call to call; save_weights
+    # sorts it, so a reference file's SHA-256 (its card's) is a function of the weights alone
+    gen = torch.Generator().manual_seed(0)
+    sd = {f"layer{i}.weight": torch.randn(3, 4, generator=gen).half() for i in range(5)}
+    files = [save_weights(tmp_path / f"w{i}.safetensors", sd, "w2-test") for i in range(8)]
+    assert len({f.read_bytes() for f in files}) == 1
+    raw = files[0].read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    assert n % 8 == 0 and list(json.loads(raw[8:8 + n])["__metadata__"]) == ["fewclip", "format"]
+    from safetensors import safe_open
+    with safe_open(str(files[0]), "pt") as f:
+        assert f.metadata() == {"fewclip": "w2-test", "format": "pt"}
+        assert all(torch.equal(f.get_tensor(k), v) for k, v in sd.items())
 
 
 def test_pretrain_config_rejects_bad_values():
