@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from fewclip.adapters import AdapterError, build_adapter
 from fewclip.adapters.coop import CoOp, CoOpConfig
@@ -55,6 +56,7 @@ def runs(tmp_path_factory, resources):
         "base2new_cli": ["protocol=base2new", "data=toy-shapes", "adapter=coop", "data.max_test=40"],
         "base2new": ["protocol=base2new", "data=toy-objects", "adapter=coop", "data.max_test=64"],
         "base2new_probe": ["protocol=base2new", "data=toy-objects", "adapter=linear_probe", "data.max_test=64"],
+        "base2new_gda": ["protocol=base2new", "data=toy-objects", "adapter=gda", "data.max_test=64"],
         "cross": ["protocol=cross_dataset", "data=toy-objects", "adapter=coop", "targets=[toy-shapes,toy-colours]",
                   "data.max_test=40"],
         "shift": ["protocol=domain_shift", "data=toy-shapes", "adapter=coop", "data.max_test=40"],
@@ -203,6 +205,18 @@ def test_a_per_class_classifier_gives_na_for_new_classes_not_a_number(runs):
     assert new["top1"] is None and new["scored_by"] is None and "one weight per trained class" in new["reason"]
     assert new["n_test"] == 64 and m["evals"]["base"]["top1"] is not None and "hm" not in m
     assert describe_evals("base2new", m["evals"]).endswith("new n/a, H n/a")
+
+
+def test_gda_scores_new_classes_from_its_training_points(runs):
+    # a training-free per-class classifier that synthesises new classes (the authors' main_base2new.py)
+    out, _ = runs["base2new_gda"]
+    m = read(out / "metrics.json")
+    base, new = m["evals"]["base"], m["evals"]["new"]
+    assert (base["scored_by"], new["scored_by"]) == ("adapter", "for_classnames")
+    assert 0 <= new["top1"] <= 100 and new["n_test"] == 64 and len(new["per_class"]) == 32
+    assert m["hm"] == pytest.approx(harmonic_mean(base["top1"], new["top1"]), abs=1e-4)
+    saved = load_file(str(out / "adapter.safetensors"))
+    assert saved["train_points"].shape[0] == 32 * 2 * 10  # 32 base classes x 2 shots x GDA's 10 views
 
 
 def test_csc_coop_refuses_new_names_and_its_new_classes_are_na(tmp_path, objects, resources):
