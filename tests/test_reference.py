@@ -12,8 +12,7 @@ from fewclip.backbones.backbone import REFERENCE_DIR, BackboneConfig, load_backb
 from fewclip.data.protocols import plan_base2new
 from fewclip.data.splits import TEST_SUBSET_SEED
 from fewclip.datasets import DataConfig, build_dataset
-from fewclip.datasets.toypretrain import (RECIPES, TOY_MEAN, TOY_STD, PretrainConfig, batch_tensors, pretrain, save_reference,
-                                          save_weights)
+from fewclip.datasets.toypretrain import RECIPES, TOY_MEAN, TOY_STD, PretrainConfig, batch_tensors, pretrain, save_reference, save_weights
 from fewclip.datasets.toytasks import TASKS
 from fewclip.runs.run import score_zeroshot
 
