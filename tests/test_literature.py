@@ -80,6 +80,21 @@ def test_measured_side_averages_seeds_then_tasks_then_backbones():
     assert got[("domain_shift", "targets")]["coop"] == pytest.approx(45.0)
 
 
+def test_a_method_run_with_its_protocol_preset_is_compared_as_the_method():
+    # the base-to-novel sweep runs GDA on its authors' base-to-new settings (gda[base2new]): compared as gda;
+    # where the plain method ran too (b2), the plain run is the one compared and the preset's is named as left out
+    runs = [_run("zeroshot", "a", "b1", 0, 1, 0, "base2new", {"base": 60.0, "new": 70.0}),
+            _run("gda[base2new]", "a", "b1", 16, 1, 0, "base2new", {"base": 80.0, "new": 66.0}),
+            _run("zeroshot", "a", "b2", 0, 1, 0, "base2new", {"base": 60.0, "new": 70.0}),
+            _run("gda", "a", "b2", 16, 1, 0, "base2new", {"base": 76.0, "new": 62.0}),
+            _run("gda[base2new]", "a", "b2", 16, 1, 0, "base2new", {"base": 99.0, "new": 99.0})]
+    got, notes = measured_side(runs)
+    assert got[("base2new", "base")]["gda"] == pytest.approx(78.0) and "gda[base2new]" not in got[("base2new", "base")]
+    assert got[("base2new", "new")]["gda"] == pytest.approx(64.0)
+    assert notes["presets"] == ["gda[base2new] (base2new)"]
+    assert len(notes["presets_left_out"]) == 1 and "b2" in notes["presets_left_out"][0]
+
+
 def test_the_linear_probe_crossing_needs_four_shots_measured():
     pub = published_side().values
     only_one = {("fewshot", 1): {"zeroshot": 60.0, "linear_probe": 40.0}}

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from fewclip.config.presets import FEWCLIP, parse_label
 from fewclip.published import AVERAGE, PublishedRow, load_table
 
 PUBLISHED_BACKBONE = "ViT-B-16/openai"
@@ -138,10 +139,21 @@ def measured_side(runs: Iterable) -> tuple[Table, dict[str, list[str]]]:
     for a method is its mean over the tasks it ran on (seed means first); the value is the mean over backbones
     of the methods every listed backbone ran."""
     runs = list(runs)
+    notes: dict[str, list[str]] = {}
+    # A method run with a preset (``gda[base2new]``: its authors' settings for the protocol, as the sweep chose)
+    # is compared as the method, unless the method also ran on fewclip's defaults there (that run is compared).
+    plain = {(r.protocol, r.backbone, r.method) for r in runs}
+    as_preset, left_out = set(), set()
     # (protocol, backbone, method, shots, dataset) -> metric -> [seed values]
     cells: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in runs:
-        key = (r.protocol, r.backbone, r.method, r.shots, r.dataset)
+        name, preset = parse_label(r.method)
+        if preset != FEWCLIP:
+            if (r.protocol, r.backbone, name) in plain:
+                left_out.add(f"{r.method} ({r.protocol}, {r.backbone}): {name} ran on fewclip's defaults there")
+                continue
+            as_preset.add(f"{r.method} ({r.protocol})")
+        key = (r.protocol, r.backbone, name, r.shots, r.dataset)
         if r.protocol == "fewshot":
             cells[key]["top1"].append(r.top1)
         elif r.protocol == "base2new":
@@ -154,7 +166,6 @@ def measured_side(runs: Iterable) -> tuple[Table, dict[str, list[str]]]:
                 cells[key]["source"].append(r.evals["source"])
             if targets:
                 cells[key]["targets"].append(_mean(targets))
-    notes: dict[str, list[str]] = {}
     # per backbone: setting -> method -> value
     per_bb: dict[str, Table] = defaultdict(lambda: defaultdict(dict))
     grouped: dict[tuple, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -184,6 +195,8 @@ def measured_side(runs: Iterable) -> tuple[Table, dict[str, list[str]]]:
             table[("base2new", "hm")][method] = harmonic(base[method], new[method])
     out: Table = {}
     notes["backbones"] = sorted(per_bb)
+    notes["presets"] = sorted(as_preset)
+    notes["presets_left_out"] = sorted(left_out)
     settings = {s for t in per_bb.values() for s in t}
     for s in settings:
         methods = set.intersection(*[set(t.get(s, {})) for t in per_bb.values()])
@@ -328,6 +341,10 @@ def render(pub: Published, got: Table, notes: Mapping[str, list[str]], runs_from
              f"({PUBLISHED_BACKBONE} 11-dataset averages; domain shift {DOMAIN_SHIFT_BACKBONE})", ""]
     for line in notes.get("incomplete", []):
         lines.append(f"left out (not run on every task zero-shot ran on): {line}")
+    if notes.get("presets"):
+        lines.append(f"compared as their method, on the preset the sweep ran: {', '.join(notes['presets'])}")
+    for line in notes.get("presets_left_out", []):
+        lines.append(f"left out (a preset beside the defaults): {line}")
     lines.append("## Values, published beside measured (top-1 %)")
     for setting in sorted(set(pub.values) | set(got), key=str):
         p, g = pub.values.get(setting, {}), got.get(setting, {})
