@@ -228,4 +228,8 @@ register_presets(
            settings=(Setting("adapter.tie_break", "first", "astra-vision/ProLIP@b43e795 methods/ProLIP.py:133",
                              "their search keeps the first best (lr, lambda) (strict >); fewclip the lowest "
                              "validation loss"),)),
+    Preset("base2new", "ProLIP's base-to-new config (configs/experiments/base_to_new_VITB16.yaml)", settings=(
+        Setting("adapter.search", False, "astra-vision/ProLIP@b43e795 configs/experiments/base_to_new_VITB16.yaml:15",
+                "their base-to-new runs search nothing: lr 1e-5 and lambda 1 / shots (lr_v, lambda_funct_1_N), "
+                "fewclip's values without a search; fewclip searches on validation by default"),)),
 )
