@@ -2,11 +2,17 @@
 top-level ``adapters/`` and ``datasets/`` folders are ``fewclip.adapters`` and ``fewclip.datasets`` only once
 installed (pyproject's package-dir), and fewclip's own methods are found through its entry points."""
 import importlib.util
+import os
 
 if importlib.util.find_spec("fewclip.adapters") is None:  # a clone that was never installed
     raise SystemExit('fewclip is not installed in this environment: pip install -e ".[test]" (README), then rerun')
 
 import pytest
+
+# One thread in every process the tests start as well: the commands run as subprocesses, and the runs made in this
+# process, whose thread choice (fewclip.utils.threads) would otherwise be one thread per core and undo one_thread
+# below after the first run. Two such processes on a busy 2-core CPU spin-wait several times slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)
