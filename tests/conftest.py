@@ -26,6 +26,31 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def toy_renders():
+    """Each toy-world split rendered once per test process: every run on toy-shapes (hundreds of them, each
+    building its dataset afresh as a command does) would render the same pixels again, 0.3 to 5 s a time. The
+    arrays are shared read-only, so no test can change another's images. Yields the real renderer:
+    test_toyworld's determinism test renders afresh with it."""
+    from fewclip.datasets.toytasks import ToyTask
+
+    render = ToyTask.render_split
+    rendered = {}
+
+    def render_once(self, split):
+        if split not in self._cache:
+            key = (repr(self.spec), split)
+            if key not in rendered:
+                rendered[key] = render(self, split)
+                rendered[key].flags.writeable = False
+            self._cache[split] = rendered[key]
+        return self._cache[split]
+
+    ToyTask.render_split = render_once
+    yield render
+    ToyTask.render_split = render
+
+
 @pytest.fixture(scope="session")
 def shapes():
     """The toy-shapes task (rendered once per test session)."""
