@@ -2,11 +2,17 @@
 top-level ``adapters/`` and ``datasets/`` folders are ``fewclip.adapters`` and ``fewclip.datasets`` only once
 installed (pyproject's package-dir), and fewclip's own methods are found through its entry points."""
 import importlib.util
+import os
 
 if importlib.util.find_spec("fewclip.adapters") is None:  # a clone that was never installed
     raise SystemExit('fewclip is not installed in this environment: pip install -e ".[test]" (README), then rerun')
 
 import pytest
+
+# One thread in every process the tests start as well: the commands run as subprocesses, and the runs made in this
+# process, whose thread choice (fewclip.utils.threads) would otherwise be one thread per core and undo one_thread
+# below after the first run. Two such processes on a busy 2-core CPU spin-wait several times slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -18,6 +24,31 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def toy_renders():
+    """Each toy-world split rendered once per test process: every run on toy-shapes (hundreds of them, each
+    building its dataset afresh as a command does) would render the same pixels again, 0.3 to 5 s a time. The
+    arrays are shared read-only, so no test can change another's images. Yields the real renderer:
+    test_toyworld's determinism test renders afresh with it."""
+    from fewclip.datasets.toytasks import ToyTask
+
+    render = ToyTask.render_split
+    rendered = {}
+
+    def render_once(self, split):
+        if split not in self._cache:
+            key = (repr(self.spec), split)
+            if key not in rendered:
+                rendered[key] = render(self, split)
+                rendered[key].flags.writeable = False
+            self._cache[split] = rendered[key]
+        return self._cache[split]
+
+    ToyTask.render_split = render_once
+    yield render
+    ToyTask.render_split = render
 
 
 @pytest.fixture(scope="session")

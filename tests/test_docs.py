@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import threading
@@ -57,7 +58,29 @@ def test_examples_are_marked():
     assert ROOT / "README.md" in MARKED and DOCS / "getting-started.md" in MARKED
 
 
-@pytest.mark.parametrize("path", list(MARKED), ids=lambda p: str(p.relative_to(ROOT)))
+def fewclip_commands(code: str):
+    """The argument lists of a bash block made of ``fewclip ...`` lines only (comments and blank lines aside),
+    or None where the block holds anything else (another program, a pipe, a variable), which only bash runs."""
+    commands = []
+    for line in code.replace("\\\n", " ").splitlines():
+        words = shlex.split(line, comments=True)
+        if not words:
+            continue
+        if words[0] != "fewclip" or any(w in ("|", "&&", "||", ";", ">") or "$" in w for w in words):
+            return None
+        commands.append(words[1:])
+    return commands
+
+
+# Pages whose examples the default run runs in this process (test_runnable_examples_run_in_process below): the
+# same commands through fewclip's main, without a Python start-up and torch import per command. Their runs in
+# bash and fresh interpreters, as a reader types them, are in the full run (-m "slow or not slow").
+IN_PROCESS = [p for p, blocks in MARKED.items()
+              if all(lang == "python" or fewclip_commands(code) is not None for lang, code, _ in blocks)]
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=[pytest.mark.slow] if p in IN_PROCESS else [])
+                                  for p in MARKED], ids=lambda p: str(p.relative_to(ROOT)))
 def test_runnable_examples_exit_0(path, tmp_path):
     env = dict(os.environ, FEWCLIP_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1",
                PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
@@ -66,6 +89,29 @@ def test_runnable_examples_exit_0(path, tmp_path):
         done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, (f"{path.name}:{line}: the example exited {done.returncode}\n{code}\n"
                                       f"{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+
+
+@pytest.mark.parametrize("path", IN_PROCESS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_runnable_examples_run_in_process(path, tmp_path, monkeypatch):
+    """The fast twin of test_runnable_examples_exit_0: each command of a bash block through fewclip's main, each
+    Python block executed here, in order, in one temporary folder."""
+    from fewclip.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FEWCLIP_CACHE", str(tmp_path / "cache"))
+    for lang, code, line in MARKED[path]:
+        if lang == "python":
+            exec(compile(code, f"{path.name}:{line + 1}", "exec"), {"__name__": "__main__"})
+            continue
+        for args in fewclip_commands(code):
+            assert main(args) == 0, f"{path.name}:{line}: fewclip {' '.join(args)} did not exit 0"
+
+
+def test_only_fewclip_lines_run_in_process():
+    assert fewclip_commands("fewclip a b=1  # note\n\nfewclip c \\\n  d\n") == [["a", "b=1"], ["c", "d"]]
+    for code in ("fewclip a | head -1\n", "cd runs\nfewclip a\n", "fewclip a out=$OUT\n", "fewclip a && ls\n"):
+        assert fewclip_commands(code) is None, code
+    assert ROOT / "README.md" in IN_PROCESS
 
 
 # Names in the manual that look like modules but are something else (entry point groups, format tags, files).

@@ -1,5 +1,6 @@
 """The frame: a core without import cycles, one registry for every kind, help from the config dataclasses."""
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ PACKAGES = {"fewclip": "fewclip", "adapters": "fewclip.adapters", "datasets": "f
 MAX_INNER_IMPORTS = 40  # imports inside functions: optional extras and measured start-up costs only
 
 
+@functools.cache  # three tests read it; parsing every module takes a second
 def module_graph():
     """{module: set of fewclip modules it imports}, counting imports inside functions too, and the number of
     those. ``from x import y`` names both ``x`` and, where it is a module, ``x.y``."""

@@ -12,14 +12,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_check  # noqa: E402
 
+NO_GPU = "gpu_check: no CUDA GPU on this machine; nothing to check (the CPU tests cover the rest)."
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: gpu_check runs for real")
-def test_without_a_gpu_it_says_so_in_one_line_and_exits_0():
+def test_without_a_gpu_it_says_so_in_one_line_and_exits_0(capsys):
+    assert gpu_check.main([]) == 0
+    assert capsys.readouterr().out.strip().splitlines() == [NO_GPU]
+
+
+@pytest.mark.slow  # the same main([]) in this process: test_without_a_gpu_it_says_so_in_one_line_and_exits_0
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: gpu_check runs for real")
+def test_without_a_gpu_the_script_says_so_in_one_line_and_exits_0():
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py")], capture_output=True, text=True,
                           cwd=ROOT)
     assert proc.returncode == 0
-    assert proc.stdout.strip().splitlines() == [
-        "gpu_check: no CUDA GPU on this machine; nothing to check (the CPU tests cover the rest)."]
+    assert proc.stdout.strip().splitlines() == [NO_GPU]
 
 
 @pytest.fixture(scope="module")

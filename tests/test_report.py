@@ -126,6 +126,21 @@ def test_write_report_files(runs, tmp_path):
     assert data["results"]["average"]["coop"]["4"]["complete"] is False
 
 
+def test_the_report_command_in_a_fresh_process(runs):
+    """`fewclip report` as a user runs it (the default run's real process of the command; the manual's examples
+    run it in this process): exit 0, the tables on stdout, the files beside the runs, no trace."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    p = subprocess.run([str(Path(sys.executable).parent / "fewclip"), "report", str(runs)], capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+    md = (runs / "report.md").read_text()
+    assert md in p.stdout and "80.00 [55.16, 100.00] (3)" in md
+    assert f"report: {runs / 'report.md'}" in p.stdout and (runs / "accuracy_vs_shots.png").is_file()
+
+
 def test_default_out_dir_and_edge_shapes(tmp_path):
     """One dataset, one shot value, one seed, no zero-shot: still a report and a figure."""
     add_run(tmp_path, "lora", "shapes", 8, 0, 55.5)

@@ -43,17 +43,39 @@ def test_a_plugin_that_exits_or_raises_is_named(tmp_path, monkeypatch, body, wha
     sys.modules.pop("exits_on_import", None)
 
 
+def check_one_line_naming_the_plugin(code, stderr):
+    assert code == 2, (code, stderr)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr
+    assert lines[0].startswith("fewclip adapters: error: the adapter plugin 'exits_on_import'")
+    assert "called sys.exit(3)" in lines[0] and "Fix or uninstall" in lines[0]
+
+
+def test_a_plugin_calling_sys_exit_does_not_end_a_command_silently(tmp_path, monkeypatch, capsys):
+    """Such a plugin installed as a method, `fewclip adapters` in this process: one line naming it, exit 2, not 3
+    (and no SystemExit out of main)."""
+    from fewclip.adapter.base import ADAPTERS
+    from fewclip.cli.main import main
+
+    plugin_dist(tmp_path, "fewclip.adapters", "import sys\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("FEWCLIP_DEBUG", "0")
+    monkeypatch.setattr(ADAPTERS, "_loaded", False)  # look at the entry points again, as a fresh process does
+    try:
+        code = main(["adapters"])
+    finally:
+        sys.modules.pop("exits_on_import", None)
+    check_one_line_naming_the_plugin(code, capsys.readouterr().err)
+
+
+@pytest.mark.slow  # the same in this process: test_a_plugin_calling_sys_exit_does_not_end_a_command_silently
 def test_a_plugin_calling_sys_exit_does_not_end_commands_silently(tmp_path):
     """The real command line with such a plugin installed as a method: one line naming it, exit 2, not 3."""
     plugin_dist(tmp_path, "fewclip.adapters", "import sys\nsys.exit(3)\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path), "FEWCLIP_DEBUG": "0"}
     p = subprocess.run([sys.executable, "-m", "fewclip.cli.main", "adapters"], env=env, capture_output=True, text=True,
                        timeout=300)
-    assert p.returncode == 2, (p.returncode, p.stderr)
-    lines = [line for line in p.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
-    assert lines[0].startswith("fewclip adapters: error: the adapter plugin 'exits_on_import'")
-    assert "called sys.exit(3)" in lines[0] and "Fix or uninstall" in lines[0]
+    check_one_line_naming_the_plugin(p.returncode, p.stderr)
 
 
 # (An installed wandb whose import raises something else than ImportError breaks timm's own `import wandb`, and so

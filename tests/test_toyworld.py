@@ -10,7 +10,7 @@ from fewclip.backbones.backbone import REFERENCE_DIR
 from fewclip.backbones.tokenizer import WordTokenizer
 from fewclip.datasets import DataConfig, build_dataset
 from fewclip.datasets import toyworld as tw
-from fewclip.datasets.toytasks import TASKS
+from fewclip.datasets.toytasks import TASKS, ToyTask
 
 SEED = 7
 
@@ -192,8 +192,9 @@ def test_toy_task_splits_are_balanced(toy_datasets, task):
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))
-def test_toy_task_images_are_deterministic(toy_datasets, task):
+def test_toy_task_images_are_deterministic(toy_datasets, task, toy_renders, monkeypatch):
     ds = toy_datasets[task]
+    monkeypatch.setattr(ToyTask, "render_split", toy_renders)  # the real renderer (conftest's shares renders)
     fresh = build_dataset(DataConfig(name=task))  # no shared cache
     for item in (ds.items("train")[3], ds.items("test")[-1]):
         a, b = ds.load_image(item), fresh.load_image(item)
@@ -214,8 +215,6 @@ def test_toy_positions_put_the_object_where_the_label_says(toy_datasets):
     assert all(toy_datasets[t].hflip_ok for t in TASKS if t != "toy-positions")
     # The geometry of the scene, before the task's rendering shift (noise, contrast) is applied.
     import dataclasses
-
-    from fewclip.datasets.toytasks import ToyTask
 
     ds = ToyTask(dataclasses.replace(TASKS["toy-positions"], noise=0.0, contrast=1.0))
     x = ds.render_split("test").astype(np.float32)
