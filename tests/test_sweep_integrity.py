@@ -3,6 +3,7 @@ half-written runs are not counted, a sweep killed at random points ends with the
 was not, and sweeps sharing an out directory do each run once and never mix two runs in one directory."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -71,6 +72,23 @@ def test_sweep_reruns_what_changed_and_only_that(tmp_path, capsys):
     assert again["epochs"] == 2 and again["top1"] == first[RUNS[1]]["top1"]
 
 
+@pytest.fixture(scope="module")
+def coop_sweep(tmp_path_factory):
+    """A finished one-run sweep (CoOp), run once for the module; each test gets its own copy to damage:
+    ``coop_sweep(tmp_path) -> (spec, out)``."""
+    root = tmp_path_factory.mktemp("coop_sweep")
+    spec = root / "s.yaml"
+    spec.write_text(SWEEP.replace("zeroshot, coop, linear_probe", "coop"))
+    # a feature store of its own: the tests' (conftest's feature_store) are set up after a module's fixtures
+    assert main(["sweep", str(spec), f"out={root / 'out'}", "report=false", f"feature_store={root / 'store'}"]) == 0
+
+    def copy(tmp_path: Path):
+        shutil.copytree(root / "out", tmp_path / "out")
+        return spec, tmp_path / "out"
+
+    return copy
+
+
 @pytest.mark.parametrize("damage, reason", [
     (lambda d: (d / "metrics.json").write_text((d / "metrics.json").read_text()[:50]), "damaged"),
     (lambda d: (d / "metrics.json").write_text(json.dumps(
@@ -80,13 +98,10 @@ def test_sweep_reruns_what_changed_and_only_that(tmp_path, capsys):
      "adapter.safetensors changed"),
     (lambda d: (d / "split.json").unlink(), "split.json is missing"),
 ], ids=["truncated-metrics", "no-record", "adapter-changed", "split-missing"])
-def test_a_damaged_run_is_not_counted_as_finished(damage, reason, tmp_path, capsys):
-    spec = tmp_path / "s.yaml"
-    spec.write_text(SWEEP.replace("zeroshot, coop, linear_probe", "coop"))
-    out = tmp_path / "out"
-    assert main(["sweep", str(spec), f"out={out}", "report=false"]) == 0
-    capsys.readouterr()
+def test_a_damaged_run_is_not_counted_as_finished(damage, reason, coop_sweep, tmp_path, capsys):
+    spec, out = coop_sweep(tmp_path)
     run = out / RUNS[1]
+    assert records.run_state(run).finished  # the copy is a finished run until damaged
     damage(run)
     assert not records.run_state(run).finished
     # A report shows no run whose files no longer match its record (one without a record: an older fewclip's).
@@ -100,12 +115,10 @@ def test_a_damaged_run_is_not_counted_as_finished(damage, reason, tmp_path, caps
         assert reason in log
 
 
-def test_export_refuses_a_run_whose_files_changed(tmp_path, capsys):
-    spec = tmp_path / "s.yaml"
-    spec.write_text(SWEEP.replace("zeroshot, coop, linear_probe", "coop"))
-    out = tmp_path / "out"
-    assert main(["sweep", str(spec), f"out={out}", "report=false"]) == 0
+def test_export_refuses_a_run_whose_files_changed(coop_sweep, tmp_path, capsys):
+    _, out = coop_sweep(tmp_path)
     run = out / RUNS[1]
+    assert records.run_state(run).finished
     (run / "config.yaml").write_text((run / "config.yaml").read_text().replace("epochs: 2", "epochs: 4"))
     assert main(["export", str(run)]) == 2
     assert "not a valid finished run: config.yaml changed after the run finished" in capsys.readouterr().err
