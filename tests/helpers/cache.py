@@ -2,8 +2,9 @@
 import torch
 
 from fewclip.backbones.geometry import make_geometry
-from fewclip.features.encode import text_prototypes
-from helpers.cards import CARD_GEOMETRIES, SIGLIP_TEXT
+from fewclip.features.encode import Features, text_prototypes
+from fewclip.training.engine import FitData, TrainConfig
+from helpers.cards import CARD_GEOMETRIES, SIGLIP_TEXT, image_features
 
 TOY = ["toy-clip", "toy-euclip", "toy-meru", "toy-siglip"]  # clip, euclidean_sq, hyperbolic, sigmoid
 
@@ -18,6 +19,15 @@ PARAMS = {"sigmoid": dict(logit_bias=-5.0), "hyperbolic": dict(curvature=0.7, al
 
 def zero_shot(bb, feats):
     return bb.geometry.image_logits(feats, text_prototypes(bb, NAMES, TEMPLATES))
+
+
+def two_view_fit_data(bb) -> FitData:
+    """Six training images' features of the NAMES classes (seed 2) in two views (the second scaled by 1.1), the first
+    three for validation: what the start-at-zero-shot tests of the training-free methods fit on."""
+    x = image_features(bb, n=6, seed=2)
+    y = torch.arange(6) % len(NAMES)
+    return FitData(Features(x, y), [Features(x, y), Features(1.1 * x, y)], Features(x[:3], y[:3]), TrainConfig(), 2,
+                   torch.Generator())
 
 class TableBackbone:
     """A geometry and a text tower that is a table of raw text features (random, 3 classes x 2 templates)."""

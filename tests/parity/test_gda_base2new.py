@@ -12,7 +12,7 @@ import torch
 from fewclip.adapters.gda import GDA, GDAConfig, knn_gaussians
 from fewclip.features.encode import Features, text_prototypes
 from fewclip.training.engine import FitData, TrainConfig
-from helpers.cache import EVERY, NAMES, TEMPLATES
+from helpers.cache import EVERY, NAMES, TEMPLATES, two_view_fit_data
 from helpers.cache_parity import FeatureBackbone, authors_config, fit_data, fixture, reldiff
 from helpers.cards import backbone, cards, image_features  # noqa: F401  (cards: fixture)
 
@@ -70,10 +70,7 @@ def test_gda_new_classes_are_zero_shot_at_alpha_0_in_every_geometry(name, cards)
     def check(logits):
         torch.testing.assert_close(logits, zs_new, rtol=1e-5, atol=1e-5)
 
-    x = image_features(bb, n=6, seed=2)
-    y = torch.arange(6) % len(NAMES)
-    data = FitData(Features(x, y), [Features(x, y), Features(1.1 * x, y)], Features(x[:3], y[:3]), TrainConfig(), 2,
-                   torch.Generator())
+    data = two_view_fit_data(bb)
     gda = GDA(GDAConfig(views=2, neighbours=5, search=False, init_alpha=1.0), bb, NAMES, TEMPLATES)
     with torch.no_grad():
         check(gda.for_classnames(NEW, TEMPLATES)(feats))  # before fit: nothing to synthesise from

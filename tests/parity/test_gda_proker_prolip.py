@@ -19,7 +19,7 @@ from fewclip.features.encode import FeatureCache, Features, text_prototypes
 from fewclip.features.store import FeatureStore
 from fewclip.training.engine import FitData, TrainConfig
 from fewclip.utils.errors import NonFiniteError
-from helpers.cache import EVERY, NAMES, PARAMS, TEMPLATES, TableBackbone, zero_shot
+from helpers.cache import EVERY, NAMES, PARAMS, TEMPLATES, TableBackbone, two_view_fit_data, zero_shot
 from helpers.cache_parity import FeatureBackbone, authors_config, fit_data, reldiff
 from helpers.cards import backbone, cards, image_features  # noqa: F401  (cards: fixture)
 from helpers.parity import FIXTURE_ROOT, fixture_loader
@@ -165,10 +165,7 @@ def test_gda_proker_prolip_start_at_zero_shot_in_every_geometry(name, cards):  #
     def check(logits):
         torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
 
-    x = image_features(bb, n=6, seed=2)
-    y = torch.arange(6) % len(NAMES)
-    data = FitData(Features(x, y), [Features(x, y), Features(1.1 * x, y)], Features(x[:3], y[:3]), TrainConfig(), 2,
-                   torch.Generator())
+    data = two_view_fit_data(bb)
     gda = GDA(GDAConfig(views=2), bb, NAMES, TEMPLATES)
     with torch.no_grad():
         check(gda(feats))  # before fit
