@@ -21,8 +21,8 @@ and tail concepts alike. Images of split ``s`` item ``i`` are rendered from ``(t
 Two tasks are rendered with ``difficulty`` 0.6 (clutter blobs and lower contrast, unlike pretraining's photos): a
 nuisance that every image of the task shares, as EuroSAT's sensor or DTD's close-ups set real benchmarks apart
 from web pretraining. It is what lets the methods that tune the image tower (MaPLe, PromptSRC, CLIP-SVD) keep
-their new-class accuracy at or above zero-shot in base-to-novel, as in the papers, while the text-only ones
-fall below it (docs/world2.md, round 5).
+their new-class accuracy at or above zero-shot in base-to-novel, as in the papers, while CoOp's falls below it
+(docs/world2.md, round 5).
 
 Domain-shift targets of w2-net (its classes, or a subset, as ImageNet's): w2-net-v2 (a new draw with clutter and
 lower contrast), w2-net-sketch (sketch style, 4% of pretraining), w2-net-a (the 'hard' style: small, occluded,
