@@ -2,8 +2,9 @@
 import torch
 
 from fewclip.backbones.geometry import make_geometry
-from fewclip.features.encode import Features, text_prototypes
-from fewclip.training.engine import FitData, TrainConfig
+from fewclip.features.encode import text_prototypes
+from fewclip.training.engine import FitData
+from helpers.cache_parity import fit_data
 from helpers.cards import CARD_GEOMETRIES, SIGLIP_TEXT, image_features
 
 TOY = ["toy-clip", "toy-euclip", "toy-meru", "toy-siglip"]  # clip, euclidean_sq, hyperbolic, sigmoid
@@ -26,8 +27,8 @@ def two_view_fit_data(bb) -> FitData:
     three for validation: what the start-at-zero-shot tests of the training-free methods fit on."""
     x = image_features(bb, n=6, seed=2)
     y = torch.arange(6) % len(NAMES)
-    return FitData(Features(x, y), [Features(x, y), Features(1.1 * x, y)], Features(x[:3], y[:3]), TrainConfig(), 2,
-                   torch.Generator())
+    return fit_data([x, 1.1 * x], y, x[:3], y[:3], shots=2)
+
 
 class TableBackbone:
     """A geometry and a text tower that is a table of raw text features (random, 3 classes x 2 templates)."""
