@@ -35,6 +35,12 @@ authors', who use one recipe for both).
 Geometry: the class points are the geometry's zero-shot prototypes and the logits the geometry's logits of
 ``z P + b`` (the authors' ``100 * normalize(z P + b) @ t`` in the clip geometry, with the backbone's logit scale).
 
+A fixed learning rate (``search=false``, the base-to-new preset) is an absolute Adam step, so what it does
+depends on the projection's scale: the authors' 1e-5 was chosen for ViT-B/16's (the OpenAI code draws it with
+std 768 ** -0.5 = 0.036). On a backbone whose projection is much larger, such a run stays near zero-shot; the
+search (the default) adapts the learning rate. World 2's backbones export their projection at that scale
+(docs/world2.md, round 6).
+
 Where fewclip differs, and why:
 
 * The search runs on fewclip's few-shot validation split (the authors' ``generate_fewshot_dataset_(shots,

@@ -39,6 +39,14 @@ log = logging.getLogger(__name__)
 RECIPES: dict[str, dict] = {f"w2-{k[4:]}": v for k, v in TOY_RECIPES.items()}
 VOCAB_FILE = "w2-vocab.json"
 
+# The image projection is exported at a quarter of its trained scale, the final LayerNorm at four times its own
+# (issue 31, round 6): the same function, every feature the same to the last bit, but a projection whose entries
+# have about the scale of ViT-B/16's (the OpenAI code draws it with std width**-0.5: 768**-0.5 = 0.036; here
+# 0.12 as trained, 0.03 exported). A method that trains the projection with the authors' absolute step size
+# (ProLIP: Adam, lr 1e-5) then moves it by the same fraction as on ViT-B/16; at the trained scale it moved it four
+# times less, and ProLIP ended near zero-shot. A power of two, so that the rescaled numbers are exact.
+PROJECTION_SCALE = 0.25
+
 
 @dataclass
 class World2PretrainConfig:
@@ -184,10 +192,28 @@ def pretrain(cfg: World2PretrainConfig):
     return model, geometry, tok, mcfg, history
 
 
+def rescale_projection(sd: dict[str, torch.Tensor], scale: float = PROJECTION_SCALE) -> bool:
+    """Scale the image projection by ``scale`` and the final LayerNorm's weight and bias by ``1 / scale``, in place.
+
+    ``ln_post(x) @ proj`` is unchanged to the last bit: ``scale`` is a power of two, the LayerNorm (fp16 here) is
+    multiplied exactly, and the projection is kept in float32, where its fp16 values times ``scale`` are exact
+    (in fp16 the smallest entries would round). False, and nothing changed, for a tower without a final
+    LayerNorm (EuCLIP's): its projection's input cannot absorb the scale without changing the function."""
+    if "visual.ln_post.weight" not in sd:
+        return False
+    if scale <= 0 or math.log2(scale) != round(math.log2(scale)):
+        raise ValueError(f"the projection's scale must be a power of two, not {scale}")
+    sd["visual.proj"] = sd["visual.proj"].float() * scale
+    for k in ("visual.ln_post.weight", "visual.ln_post.bias"):
+        sd[k] = sd[k] / scale
+    return True
+
+
 def save_reference(cfg: World2PretrainConfig, model: nn.Module, geometry: Geometry, tok: WordTokenizer,
                    mcfg: dict, history: list[dict], out_dir: str | Path, train_time_s: float,
                    device_name: str) -> Path:
-    """Write ``<recipe>.safetensors`` (fp16), ``w2-vocab.json`` and the card ``<recipe>.yaml``."""
+    """Write ``<recipe>.safetensors`` (fp16; the image projection float32, ``rescale_projection``), ``w2-vocab.json``
+    and the card ``<recipe>.yaml``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = cfg.recipe
@@ -198,6 +224,7 @@ def save_reference(cfg: World2PretrainConfig, model: nn.Module, geometry: Geomet
     sd = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in model.state_dict().items()}
     if not all(torch.isfinite(v).all() for v in sd.values()):
         raise RuntimeError(f"{name}: non-finite weights after fp16 conversion; nothing saved")
+    rescaled = rescale_projection(sd)
     weights = save_weights(out / f"{name}.safetensors", sd, name)
     vocab = out / VOCAB_FILE
     tok.save(vocab)
@@ -219,6 +246,8 @@ def save_reference(cfg: World2PretrainConfig, model: nn.Module, geometry: Geomet
             "train_time_s": round(train_time_s, 1),
             "final_loss_ema": round(history[-1]["loss_ema"], 4) if history else None,
             "parameters": int(sum(p.numel() for p in model.parameters())),
+            "export": (f"visual.proj x {PROJECTION_SCALE} (float32), visual.ln_post x {1 / PROJECTION_SCALE}: "
+                       "the same function" if rescaled else "as trained (no final LayerNorm to rescale)"),
         },
     }
     atomic_write_text(out / f"{name}.yaml", OmegaConf.to_yaml(OmegaConf.create(card)))

@@ -187,6 +187,33 @@ def test_shipped_world2_cards_match_their_weights_and_recipe():
         assert WordTokenizer.load(REFERENCE_DIR / VOCAB_FILE).words == w2.vocabulary()
 
 
+def test_the_exported_projection_is_rescaled_without_changing_a_feature():
+    import torch
+
+    from fewclip.backbones.backbone import BackboneConfig, load_backbone
+    from fewclip.datasets.world2pretrain import PROJECTION_SCALE, rescale_projection
+
+    pixels = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    bb = load_backbone(BackboneConfig(name="w2-clip", device="cpu"))
+    shipped = {k: v.clone() for k, v in bb.model.state_dict().items()}
+    features, preproj = bb.encode_images(pixels), bb.encode_images_preproj(pixels)
+    assert shipped["visual.proj"].std() < 0.04  # about ViT-B/16's 768 ** -0.5, not the trained 64 ** -0.5
+    # the weights as trained (fp16, as save_reference has them before the export), rescaled again: the shipped ones
+    trained = {k: v.half() for k, v in shipped.items()}
+    trained["visual.proj"] = (shipped["visual.proj"] / PROJECTION_SCALE).half()
+    for k in ("visual.ln_post.weight", "visual.ln_post.bias"):
+        trained[k] = (shipped[k] * PROJECTION_SCALE).half()
+    assert (trained["visual.proj"].float() * PROJECTION_SCALE == shipped["visual.proj"]).all()  # fp16 held it
+    bb.model.load_state_dict(trained)
+    assert torch.equal(bb.encode_images(pixels), features)  # the same function, to the last bit
+    assert torch.equal(bb.encode_images_preproj(pixels) / PROJECTION_SCALE, preproj)
+    assert rescale_projection(trained) and all(torch.equal(trained[k].float(), shipped[k]) for k in shipped)
+    no_ln = {"visual.proj": torch.ones(2, 2, dtype=torch.float16)}  # EuCLIP's tower: nothing to absorb the scale
+    assert not rescale_projection(no_ln) and no_ln["visual.proj"].dtype == torch.float16
+    with pytest.raises(ValueError, match="power of two"):
+        rescale_projection(dict(trained), scale=0.3)
+
+
 @pytest.mark.parametrize("name, arg, words", [
     ("pretrain_world2.py", "recipe=w2-foo", "recipe must be one of"),
     ("pretrain_world2.py", "stepz=3", "Did you mean: 'steps'"),
