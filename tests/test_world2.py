@@ -214,6 +214,28 @@ def test_the_exported_projection_is_rescaled_without_changing_a_feature():
         rescale_projection(dict(trained), scale=0.3)
 
 
+@pytest.mark.parametrize("recipe, rescaled", [("w2-clip", True), ("w2-euclip", False)])
+def test_a_saved_backbone_computes_what_was_trained_with_its_projection_rescaled(recipe, rescaled, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from fewclip.backbones.backbone import BackboneConfig, load_backbone
+    from fewclip.config.compose import load_config
+    from fewclip.datasets.world2pretrain import World2PretrainConfig, pretrain, save_reference
+
+    cfg = load_config([f"recipe={recipe}", "steps=2", "batch_size=8", "warmup_steps=1", f"out={tmp_path}"],
+                      World2PretrainConfig)
+    model, geometry, tok, mcfg, history = pretrain(cfg)
+    card = save_reference(cfg, model, geometry, tok, mcfg, history, tmp_path, 1.0, "cpu")
+    proj = load_file(tmp_path / f"{recipe}.safetensors")["visual.proj"]
+    assert proj.dtype == (torch.float32 if rescaled else torch.float16)
+    assert ("the same function" if rescaled else "as trained") in card.read_text()
+    pixels = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        trained = model.half().float().eval().encode_image(pixels)  # the weights as stored, before any rescale
+    assert torch.equal(load_backbone(BackboneConfig(name=str(card), device="cpu")).encode_images(pixels), trained)
+
+
 @pytest.mark.parametrize("name, arg, words", [
     ("pretrain_world2.py", "recipe=w2-foo", "recipe must be one of"),
     ("pretrain_world2.py", "stepz=3", "Did you mean: 'steps'"),
