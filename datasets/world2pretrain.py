@@ -43,8 +43,8 @@ VOCAB_FILE = "w2-vocab.json"
 # (issue 31, round 6): the same function, every feature the same to the last bit, but a projection whose entries
 # have about the scale of ViT-B/16's (the OpenAI code draws it with std width**-0.5: 768**-0.5 = 0.036; here
 # 0.12 as trained, 0.03 exported). A method that trains the projection with the authors' absolute step size
-# (ProLIP: Adam, lr 1e-5) then moves it by about the same fraction as on ViT-B/16; at the trained scale it moved it about
-# a third as far, and ProLIP ended near zero-shot. A power of two, so that the rescaled numbers are exact.
+# (ProLIP: Adam, lr 1e-5) then moves it by about the same fraction as on ViT-B/16; at the trained scale it moved
+# it about a third as far, and ProLIP ended near zero-shot. A power of two, so that the rescaled numbers are exact.
 PROJECTION_SCALE = 0.25
 
 
