@@ -36,10 +36,11 @@ Geometry: the class points are the geometry's zero-shot prototypes and the logit
 ``z P + b`` (the authors' ``100 * normalize(z P + b) @ t`` in the clip geometry, with the backbone's logit scale).
 
 A fixed learning rate (``search=false``, the base-to-new preset) is an absolute Adam step, so what it does
-depends on the projection's scale: the authors' 1e-5 was chosen for ViT-B/16's (the OpenAI code draws it with
-std 768 ** -0.5 = 0.036). On a backbone whose projection is much larger, such a run stays near zero-shot; the
-search (the default) adapts the learning rate. World 2's backbones export their projection at that scale
-(docs/world2.md, round 6).
+depends on the projection's width and scale: each entry moves by about ``lr`` and the changes add up over the
+fan-in, so the features move by about ``lr * sqrt(width) / std(P)`` of their size. The authors' 1e-5 was chosen
+for ViT-B/16's (width 768, drawn with std 768 ** -0.5 = 0.036); on a narrower tower or a larger projection such a
+run stays near zero-shot, and the search (the default) adapts the learning rate. World 2's backbones export
+their projection so that the same step moves them about as far (docs/world2.md, rounds 6 and 7).
 
 Where fewclip differs, and why:
 

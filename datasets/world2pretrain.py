@@ -39,13 +39,15 @@ log = logging.getLogger(__name__)
 RECIPES: dict[str, dict] = {f"w2-{k[4:]}": v for k, v in TOY_RECIPES.items()}
 VOCAB_FILE = "w2-vocab.json"
 
-# The image projection is exported at a quarter of its trained scale, the final LayerNorm at four times its own
-# (issue 31, round 6): the same function, every feature the same to the last bit, but a projection whose entries
-# have about the scale of ViT-B/16's (the OpenAI code draws it with std width**-0.5: 768**-0.5 = 0.036; here
-# 0.12 as trained, 0.03 exported). A method that trains the projection with the authors' absolute step size
-# (ProLIP: Adam, lr 1e-5) then moves it by about the same fraction as on ViT-B/16; at the trained scale it moved
-# it about a third as far, and ProLIP ended near zero-shot. A power of two, so that the rescaled numbers are exact.
-PROJECTION_SCALE = 0.25
+# The image projection is exported at a sixteenth of its trained scale, the final LayerNorm at sixteen times its
+# own (issue 31, rounds 6 and 7): the same function, every feature the same to the last bit, but a projection that
+# a method training it with the authors' absolute step size (ProLIP: Adam, lr 1e-5) moves as far, relative to the
+# features, as it moves ViT-B/16's. Adam's step is about lr on every entry and the entries' changes add up over
+# the projection's fan-in, so the features move by about lr * sqrt(width) / std(proj) of their size: 770 * lr for
+# ViT-B/16 (width 768, proj drawn with std 768**-0.5 = 0.036), 67 * lr for world 2's towers as trained (width 64,
+# std 0.12), 1070 * lr at a sixteenth (round 6's quarter gave 270 * lr, and ProLIP gained a quarter of its
+# published margin over zero-shot). A power of two, so that the rescaled numbers are exact.
+PROJECTION_SCALE = 0.0625
 
 
 @dataclass
