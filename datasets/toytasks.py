@@ -32,13 +32,13 @@ from __future__ import annotations
 import hashlib
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
 import fewclip.datasets.toyworld as tw
 from fewclip.data.base import DataConfig, Dataset, Item, register_dataset
+from fewclip.utils.checksums import code_sha256
 
 _SPLIT_OFFSET = {"train": 0, "val": 10_000_000, "test": 20_000_000}
 
@@ -273,13 +273,11 @@ _CODE_DIGEST: dict[str, str] = {}
 
 def generator_identity(spec: ToyTaskSpec) -> str:
     """What a task's images are a function of: its spec and the code that renders them (this module and the
-    toy world's), as a digest. The feature store compares it before it serves a task's features, so an edit
-    of the renderer never serves features of the old pixels."""
+    toy world's; their code, not their docstrings or comments: ``code_sha256``), as a digest. The feature store
+    compares it before it serves a task's features, so an edit of the renderer never serves features of the old
+    pixels."""
     if not _CODE_DIGEST:
-        h = hashlib.sha256()
-        for module in (tw.__file__, __file__):
-            h.update(Path(module).read_bytes())
-        _CODE_DIGEST["code"] = h.hexdigest()
+        _CODE_DIGEST["code"] = code_sha256(tw.__file__, __file__)
     return "toyworld:" + hashlib.sha256(f"{_CODE_DIGEST['code']}/{spec!r}".encode()).hexdigest()[:32]
 
 

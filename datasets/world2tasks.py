@@ -33,7 +33,6 @@ from __future__ import annotations
 import hashlib
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from PIL import Image
@@ -42,6 +41,7 @@ import fewclip.datasets.toyworld as toyworld
 import fewclip.datasets.world2 as w2
 from fewclip.data.base import DataConfig, Dataset, Item, register_dataset
 from fewclip.datasets.toyworld import uniform
+from fewclip.utils.checksums import code_sha256
 
 _SPLIT_OFFSET = {"train": 0, "val": 10_000_000, "test": 20_000_000}
 
@@ -174,10 +174,7 @@ _CODE_DIGEST: dict[str, str] = {}
 def generator_identity(spec: World2TaskSpec) -> str:
     """A digest of the spec and of the code that renders it, for the feature store (as ``toytasks``)."""
     if not _CODE_DIGEST:
-        h = hashlib.sha256()
-        for module in (toyworld.__file__, w2.__file__, __file__):
-            h.update(Path(module).read_bytes())
-        _CODE_DIGEST["code"] = h.hexdigest()
+        _CODE_DIGEST["code"] = code_sha256(toyworld.__file__, w2.__file__, __file__)
     return "world2:" + hashlib.sha256(f"{_CODE_DIGEST['code']}/{spec!r}".encode()).hexdigest()[:32]
 
 

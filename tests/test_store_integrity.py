@@ -172,6 +172,24 @@ def test_a_toy_task_is_checked_against_its_generator(tmp_path, shapes, caplog):
     assert any("8 of 8 image(s) of toy-shapes changed" in r.getMessage() for r in caplog.records)
 
 
+def test_the_generator_digest_follows_the_code_not_its_docstrings_or_comments(tmp_path):
+    from fewclip.utils.checksums import code_sha256
+
+    def digest(text):
+        path = tmp_path / "renderer.py"
+        path.write_text(text)
+        return code_sha256(path)
+
+    base = digest('"""Renders."""\nimport numpy as np\n\n\ndef render(i):\n    """Pixels."""\n    return np.full(3, i)\n')
+    assert digest('"""Renders the pixels."""\nimport numpy as np  # arrays\n\ndef render(i):\n'
+                  '    """Other words."""\n    # a comment\n    return np.full(3, i)\n') == base
+    assert digest('import numpy as np\n\n\ndef render(i):\n    return np.full(3, i)\n') == base  # none at all
+    assert digest('"""Renders."""\nimport numpy as np\n\n\ndef render(i):\n    """Pixels."""\n'
+                  '    return np.full(3, i + 1)\n') != base
+    assert digest('"""Renders."""\nimport numpy as np\n\n\ndef render(i):\n    """Pixels."""\n'
+                  '    return np.full(3, "i")\n') != base  # a string that is code, not a docstring
+
+
 def test_cache_lists_roots_and_clears_by_root_or_name(renders, tmp_path, capsys, feature_store):
     a = write_folder(tmp_path / "pets", renders)
     b = write_folder(tmp_path / "cars", renders)
