@@ -5,6 +5,7 @@ import ast
 import hashlib
 import os
 import weakref
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch-free at import: the dataset modules use code_sha256
@@ -32,7 +33,7 @@ def code_sha256(*paths: str | os.PathLike) -> str:
     comes from ``ast.dump``, which a new Python version may spell differently (a one-off change of the checksum)."""
     h = hashlib.sha256()
     for path in paths:
-        tree = ast.parse(open(path, encoding="utf-8").read(), filename=str(path))
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"), filename=str(path))
         for node in ast.walk(tree):
             body = getattr(node, "body", None)
             if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
