@@ -2,6 +2,7 @@
 added; a damaged entry; a toy task whose generator changed; `fewclip cache` listing and clearing by root or name."""
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -54,8 +55,10 @@ def zeroshot(root: Path, out: Path, **env) -> dict:
 
 
 def messages(capsys, text):
-    """The distinct log lines of the commands run since the last call that contain ``text``."""
-    return sorted({line for line in capsys.readouterr().err.splitlines() if text in line})
+    """The distinct log lines of the commands run since the last call that contain ``text``, without their
+    time of day (one message logged twice a second apart is still one)."""
+    return sorted({re.sub(r"^\d\d:\d\d:\d\d ", "", line) for line in capsys.readouterr().err.splitlines()
+                   if text in line})
 
 
 def test_pixels_replaced_in_place_are_encoded_again(renders, tmp_path, capsys):
