@@ -67,8 +67,6 @@ from functools import partial
 from pathlib import Path
 from typing import Optional
 
-from open_clip.zero_shot_metadata import IMAGENET_CLASSNAMES, OPENAI_IMAGENET_TEMPLATES
-
 from fewclip.data.base import SPLITS, DataConfig, Dataset, DatasetError, Item, register_dataset
 from fewclip.datasets.folder import (
     check_files,
@@ -347,6 +345,15 @@ def _read_wnid_names(b: Benchmark, path: Path) -> dict[str, str]:
     return names
 
 
+def _imagenet_metadata():
+    """open_clip's ImageNet class names and templates (``open_clip.zero_shot_metadata``)."""
+    # Imported here: open_clip's package import costs seconds (torch, torchvision, transformers), and only an
+    # ImageNet-family dataset needs it; `fewclip datasets` and the report stay light.
+    import open_clip.zero_shot_metadata as meta
+
+    return meta
+
+
 def _read_imagenet_classnames(b: Benchmark, path: Path, wnids: list[str], root: Path) -> list[str]:
     if not path.is_file():
         if len(wnids) != 1000:
@@ -354,7 +361,7 @@ def _read_imagenet_classnames(b: Benchmark, path: Path, wnids: list[str], root: 
                 b, f"{path} not found (only a full 1000-class tree can use open_clip's class names)", root
             )
 
-        return list(IMAGENET_CLASSNAMES)
+        return list(_imagenet_metadata().IMAGENET_CLASSNAMES)
     names = _read_wnid_names(b, path)
     missing = [w for w in wnids if w not in names]
     if missing:
@@ -398,7 +405,7 @@ def _read_imagenet_v2(b: Benchmark, base: Path, image_root: Path, root: Path) ->
         classnames = [names[w] for w in wnids]
     elif len(folders) == 1000:
 
-        wnids, classnames = [], list(IMAGENET_CLASSNAMES)
+        wnids, classnames = [], list(_imagenet_metadata().IMAGENET_CLASSNAMES)
     else:
         raise _layout_error(b, f"{path} not found (only a full 1000-class tree can use open_clip's class names)",
                             root)
@@ -456,7 +463,7 @@ def _templates(b: Benchmark) -> list[str]:
     templates = list(b.templates)
     if b.name in IMAGENET_FAMILY:
 
-        templates += [t("{}") for t in OPENAI_IMAGENET_TEMPLATES]
+        templates += [t("{}") for t in _imagenet_metadata().OPENAI_IMAGENET_TEMPLATES]
     return list(dict.fromkeys(templates))  # drop repeats, keep order
 
 

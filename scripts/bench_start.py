@@ -6,7 +6,8 @@ run (the ratio is what holds on a busy machine).
 
 Target (issue 21): `fewclip --help` and every `fewclip COMMAND --help` in at most 0.5 s of CPU. The help of
 train, zeroshot, sweep and features prints their config, composed from torch-free dataclasses and, for a built-in
-method, the adapter index (fewclip.cli.quickhelp); a plugin's method still imports the registry.
+method, the adapter index (fewclip.cli.quickhelp); a plugin's method still imports the registry. The last line,
+`fewclip datasets`, is a whole command that loads no model (fewclip.cli.light, as `fewclip report`).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ COMMANDS = [["--help"], ["backbones", "--help"], ["datasets", "--help"], ["adapt
             ["cache", "--help"], ["report", "--help"], ["export", "--help"], ["predict", "--help"],
             ["import", "--help"], ["zeroshot", "--help"], ["train", "--help"], ["train", "adapter=lora", "--help"],
             ["sweep", "--help"], ["sweep", "launcher=slurm", "--help"], ["features", "--help"],
-            ["published", "--help"], ["split", "--help"]]
+            ["published", "--help"], ["split", "--help"], ["datasets"]]
 
 
 def cpu_seconds(argv) -> float:

@@ -141,6 +141,21 @@ def test_the_report_command_in_a_fresh_process(runs):
     assert f"report: {runs / 'report.md'}" in p.stdout and (runs / "accuracy_vs_shots.png").is_file()
 
 
+def test_the_report_and_the_dataset_listing_load_no_model(runs):
+    """`fewclip report` and `fewclip datasets` import neither torch nor open_clip (seconds each): they answer at
+    once (fewclip.cli.light)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom fewclip.cli.main import main\n"
+            f"assert main(['report', {str(runs)!r}]) == 0 and main(['datasets']) == 0\n"
+            "print(sorted(m for m in ('torch', 'open_clip', 'torchvision') if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "w2-land" in p.stdout and "80.00 [55.16, 100.00] (3)" in p.stdout  # both commands printed their tables
+    assert p.stdout.strip().splitlines()[-1] == "[]", p.stdout[-500:]
+
+
 def test_default_out_dir_and_edge_shapes(tmp_path):
     """One dataset, one shot value, one seed, no zero-shot: still a report and a figure."""
     add_run(tmp_path, "lora", "shapes", 8, 0, 55.5)

@@ -2,7 +2,6 @@
 functions. ``fewclip.cli.main`` imports this module only when a command runs (``fewclip --help`` stays light)."""
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import logging
 import time
@@ -11,25 +10,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import OmegaConf
-
 from fewclip import api
 from fewclip.adapter.base import ADAPTERS, adapter_info
 from fewclip.adapter.exports import load_prompts
 from fewclip.backbones.backbone import describe_backbone_source, list_backbones
 from fewclip.backbones.importer import formats_usage, import_from_args
 from fewclip.cli.features import cmd_features as features_command
+from fewclip.cli.light import NoOptions, parse_command
 from fewclip.cli.predict_files import check_out, expand_images, write_predictions
 from fewclip.cli.quickhelp import HEADER
 from fewclip.cli.table import BY_NAME  # each command's usage line
-from fewclip.config.compose import ConfigError, FeaturesConfig, RunConfig, compose, describe_config, load_config, to_object
+from fewclip.config.compose import ConfigError, FeaturesConfig, RunConfig, describe_config, load_config
 from fewclip.config.presets import describe_presets, presets_of
-from fewclip.config.report import ReportOptions
-from fewclip.data.base import DATASETS, build_dataset
-from fewclip.data.image_check import describe_bad, find_bad_images, n_images
+from fewclip.data.base import build_dataset
 from fewclip.data.split_files import SplitOptions, export_split, import_split
 from fewclip.features.store import FeatureStore, matches_dataset, store_setting, under_root
-from fewclip.report import write_report
 from fewclip.runs.export import export_run
 from fewclip.runs.records import prepare_dir
 from fewclip.runs.run import as_train_config, load_train_config, preset_defaults
@@ -39,25 +34,6 @@ from fewclip.utils.logs import setup_logging  # fewclip's lines at the chosen le
 from fewclip.utils.progress import progress
 
 log = logging.getLogger("fewclip")
-
-@dataclass
-class NoOptions:
-    """A command that takes positional arguments only."""
-
-
-def parse_command(command: str, args: Sequence[str], schema: type):
-    """``(options, positionals)`` of a command's arguments: ``key=value`` pairs composed into ``schema`` (a
-    dataclass; unknown keys and wrong types fail naming the key), everything else positional."""
-    keyvals = [a for a in args if "=" in a and not a.startswith("-")]
-    positionals = [a for a in args if "=" not in a and not a.startswith("-")]
-    base = OmegaConf.structured(schema)
-    for f in dataclasses.fields(schema):  # a mapping option (report's rename) takes keys the user chooses
-        if isinstance(getattr(schema(), f.name), dict):
-            OmegaConf.set_struct(base[f.name], False)
-    try:
-        return to_object(compose(schema, keyvals, base=base)), positionals
-    except ConfigError as e:
-        raise ConfigError(f"{e}; {BY_NAME[command].usage}") from None
 
 
 def _table(rows: list[dict[str, str]], cols: Sequence[str]) -> str:
@@ -96,38 +72,6 @@ def cmd_backbones(args: Sequence[str]) -> int:
     print("\nA backbone card (a YAML file) describes any other checkpoint: backbone=path/to/card.yaml;\n"
           "`fewclip import` makes a card folder from MERU, HyCoCLIP, EuCLIP, OpenAI and open_clip checkpoints: "
           "backbone=DIR")
-    return 0
-
-
-def cmd_datasets_check(args: Sequence[str]) -> int:
-    """``fewclip datasets check data=NAME data.root=PATH``: every image file of the dataset read once; the
-    unreadable ones listed (exit 1), with the setting that leaves them out."""
-    data = load_config([a for a in args if not a.startswith("-")], RunConfig).data
-    if data.skip_bad_images:
-        raise ConfigError("fewclip datasets check lists the unreadable files; leave data.skip_bad_images out")
-    dataset = build_dataset(data)
-    if getattr(dataset, "root", None) is None:
-        print(f"{dataset.name}: its images are made by code; no files to check")
-        return 0
-    total = n_images(dataset)
-    bad = find_bad_images(dataset)
-    if not bad:
-        print(f"{dataset.name}: all {total} images under {dataset.root} can be read")
-        return 0
-    print(describe_bad(dataset, bad, total))
-    print("data.skip_bad_images=true leaves them out of every run (metrics.json records which), or fix or remove "
-          "the files")
-    return 1
-
-
-def cmd_datasets(args: Sequence[str]) -> int:
-    if args and args[0] == "check":
-        return cmd_datasets_check(args[1:])
-    for info in sorted(DATASETS.values(), key=lambda i: (i.needs_root, i.name)):
-        print(f"{info.name}\n  {info.description}")
-        where = "  no files needed" if not info.needs_root else "  data.root=PATH, expected layout:\n" + "\n".join(
-            "    " + line for line in info.layout.splitlines())
-        print(where)
     return 0
 
 
@@ -261,16 +205,6 @@ def cmd_cache(args: Sequence[str]) -> int:
     if old:
         print(f"{', '.join(d.name for d in old)}: features in an older store format, never read; `fewclip cache "
               f"clear` removes them")
-    return 0
-
-
-def cmd_report(args: Sequence[str]) -> int:
-    options, paths = parse_command("report", args, ReportOptions)
-    if not paths:
-        raise ConfigError(BY_NAME["report"].usage)
-    rep = write_report([Path(p) for p in paths], options=options)
-    print(rep.markdown)
-    print("report: " + ", ".join(str(p) for p in rep.paths.values()))
     return 0
 
 

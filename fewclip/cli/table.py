@@ -35,6 +35,7 @@ class Command:
 
 
 HEAVY = "fewclip.cli.commands"  # the commands that load models (torch, open_clip: seconds to import)
+LIGHT = "fewclip.cli.light"  # the commands that load none (report, datasets): a fraction of a second
 
 COMMANDS: tuple[Command, ...] = (
     Command("backbones", (
@@ -46,7 +47,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("datasets", (
         "list the registered datasets and where each expects its files; fewclip datasets check",
         "data=folder data.root=PATH lists the image files that cannot be read"),
-        f"{HEAVY}:cmd_datasets",
+        f"{LIGHT}:cmd_datasets",
         usage=("usage: fewclip datasets: the registered datasets and where each expects its files | fewclip "
                "datasets check data=NAME [data.root=PATH]: every image file read once, the unreadable ones listed "
                "(data.skip_bad_images=true leaves them out)")),
@@ -74,7 +75,7 @@ COMMANDS: tuple[Command, ...] = (
                "split files (CoOp's split_zhou JSON and split_fewshot pickles, 2SFS JSON lines, manifests); a run "
                "trains on one with data.fewshot_file=FILE")),
     Command("report", ("seed-averaged tables and the accuracy-vs-shots plot: fewclip report runs/demo",),
-            f"{HEAVY}:cmd_report", options="fewclip.config.report:ReportOptions",
+            f"{LIGHT}:cmd_report", options="fewclip.config.report:ReportOptions",
             usage=("usage: fewclip report RUN_DIR [RUN_DIR ...] [key=value ...]: seed-averaged tables (Markdown, "
                    "CSV, JSON, LaTeX) and figures of the runs under the folders, merged")),
     Command("adapters", (

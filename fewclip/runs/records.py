@@ -46,7 +46,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from fewclip.config.compose import load_yaml
@@ -205,7 +204,7 @@ def check_finite(metrics: Mapping[str, Any], tensors: Optional[Mapping[str, Any]
     for name, t in (tensors or {}).items():
         if getattr(t, "is_floating_point", lambda: False)():
 
-            finite = torch.isfinite(t)
+            finite = t.isfinite()
             if not bool(finite.all()):
                 n = int((~finite).sum())
                 raise NonFiniteError(f"{where}adapter tensor {name!r} holds {n} non-finite value(s); the run is not "
