@@ -30,7 +30,7 @@ def test_a_plugin_claiming_a_builtin_name_is_blamed_whatever_the_order(monkeypat
                                                                              source="fewclip.adapters.coop"))
     plugin = _EntryPoint("mine", "my_pkg.coop", lambda: reg.register("coop", object(), source="my_pkg.coop"))
     eps = [plugin, builtin] if plugin_first else [builtin, plugin]
-    monkeypatch.setattr(registry_module, "_entry_points", lambda group: eps)
+    monkeypatch.setattr(registry_module, "entry_points_of", lambda group: eps)
     with pytest.raises(PluginError) as err:
         reg.load()
     message = str(err.value)

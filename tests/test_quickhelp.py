@@ -12,7 +12,7 @@ import tomllib
 
 from fewclip.adapter import index as adapter_index
 from fewclip.adapter.base import ADAPTERS
-from fewclip.cli import commands, quickhelp
+from fewclip.cli import commands, light, quickhelp
 from fewclip.cli.main import COMMAND_NAMES, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,6 +77,37 @@ def test_a_method_or_launcher_outside_the_index_falls_back_to_the_registries(cap
     assert main(["train", "adapter=coopp", "--help"]) == 2  # the registry's error, one line
     err = capsys.readouterr().err
     assert "unknown adapter 'coopp'" in err and "did you mean 'coop'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_adapter_listing_from_the_index_equals_the_methods_own(capsys, monkeypatch):
+    """`fewclip adapters` prints the built-in methods from the index, the same text as from the methods."""
+    assert commands.cmd_adapters([]) == 0
+    own = capsys.readouterr().out
+    monkeypatch.setattr(commands, "cmd_adapters", lambda args: pytest.fail("the listing imported the methods"))
+    assert light.cmd_adapters([]) == 0
+    assert capsys.readouterr().out == own and "coop: " in own and "presets: fewclip, " in own
+
+
+def test_the_adapter_listing_imports_the_methods_for_a_plugin_a_name_or_a_stale_index(monkeypatch):
+    calls = []
+    monkeypatch.setattr(commands, "cmd_adapters", lambda args: calls.append(list(args)) or 0)
+    light.cmd_adapters(["coop"])  # one method in detail: its presets field by field
+    plugin = type("EntryPoint", (), {"name": "mine", "value": "my_pkg.methods"})()
+    with monkeypatch.context() as m:
+        m.setattr(light, "entry_points_of", lambda group: [plugin])
+        light.cmd_adapters([])
+    with monkeypatch.context() as m:
+        m.setattr(light, "load_index", lambda: None)
+        light.cmd_adapters([])
+    assert calls == [["coop"], [], []]
+
+
+def test_the_listings_import_no_torch():
+    code = ("import sys; from fewclip.cli.main import main; assert main(['adapters']) == 0; "
+            "assert main(['datasets']) == 0; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'open_clip', 'torchvision')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "tip_adapter_f: " in out and out.strip().splitlines()[-1] == "[]", out[-300:]
 
 
 @pytest.mark.parametrize("command", COMMAND_NAMES)

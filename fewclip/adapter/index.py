@@ -2,8 +2,9 @@
 without importing the method (and torch).
 
 ``fewclip/adapter/index.json`` holds, for every method of the ``fewclip.adapters`` package, its config dataclass's
-fields (name, type, default, help), its own ``train`` defaults and whether it trains on images. It is made from
-the registered adapters by
+fields (name, type, default, help), its own ``train`` defaults, whether it trains on images, the first line of its
+module's docstring and its presets' names (``fewclip adapters`` lists the methods from it: fewclip.cli.light). It
+is made from the registered adapters by
 
     python -m fewclip.adapter.index
 
@@ -16,14 +17,17 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import importlib.util
 import json
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
+from fewclip.config.presets import presets_of
+
 INDEX_FILE = Path(__file__).with_name("index.json")
-FORMAT = 1
+FORMAT = 2  # 2: each method's summary and preset names
 
 
 def _sources():
@@ -56,8 +60,11 @@ def build_index() -> dict[str, Any]:
         fields = [{"name": f.name, "type": str(f.type), "default": getattr(default, f.name),
                    "help": str(f.metadata.get("help", "")) if f.metadata else ""}
                   for f in dataclasses.fields(info.config_cls)]
+        doc = (importlib.import_module(info.adapter_cls.__module__).__doc__ or "").strip().splitlines()
         methods[name] = {"config": info.config_cls.__name__, "fields": fields, "trains": info.trains,
-                         "train_defaults": dict(info.adapter_cls.train_defaults)}
+                         "train_defaults": dict(info.adapter_cls.train_defaults),
+                         "train_order": list(info.adapter_cls.train_defaults),  # the file's keys are sorted
+                         "summary": doc[0] if doc else "", "presets": list(presets_of(name))}
     return {"format": FORMAT, "fingerprint": source_fingerprint(), "methods": methods}
 
 

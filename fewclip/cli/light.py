@@ -1,24 +1,32 @@
-"""The commands that load no model: ``fewclip report`` and ``fewclip datasets``, and the argument parsing every
-command shares (``parse_command``).
+"""The commands that load no model: ``fewclip report``, ``fewclip datasets`` and the listing ``fewclip adapters``,
+and the argument parsing every command shares (``parse_command``).
 
 Light: nothing here imports torch or open_clip (``fewclip.cli.commands``, the commands that load models, costs
 seconds to import), so a report or a listing answers at once; a ``datasets check`` of a feature file loads torch
-through that dataset's reader.
+through that dataset's reader. ``fewclip adapters`` lists the built-in methods from the adapter index
+(``fewclip.adapter.index``); with a method named, a plugin's method installed or an index that does not match the
+sources, it imports the methods (``fewclip.cli.commands``).
 """
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, Optional
 
 from omegaconf import OmegaConf
 
-from fewclip.cli.table import BY_NAME  # each command's usage line
+from fewclip.adapter.index import load_index
+from fewclip.cli.quickhelp import method_section
+from fewclip.cli.table import BY_NAME, HEAVY  # each command's usage line; the module of the commands that load models
 from fewclip.config.compose import ConfigError, RunConfig, compose, load_config, to_object
+from fewclip.config.help import describe_config
 from fewclip.config.report import ReportOptions
 from fewclip.data.base import DATASETS, build_dataset
 from fewclip.data.image_check import describe_bad, find_bad_images, n_images
 from fewclip.report import write_report
+from fewclip.utils.registry import entry_points_of, is_builtin
 
 
 @dataclasses.dataclass
@@ -83,3 +91,37 @@ def cmd_report(args: Sequence[str]) -> int:
     return 0
 
 
+
+
+def adapter_listing(methods: dict[str, Any]) -> Optional[list[str]]:
+    """The lines of ``fewclip adapters`` (every method) from the adapter index, as ``fewclip.cli.commands`` prints
+    them from the imported methods; None where a method's section cannot be rebuilt from the index."""
+    lines = []
+    for name in sorted(methods):
+        entry = methods[name]
+        section = method_section(entry)
+        if section is None:
+            return None
+        lines.append(f"{name}: {entry['summary']}")
+        options = [line for line in describe_config(section) if not line.startswith("name:")]
+        lines += ["  adapter." + line for line in options] if options else ["  no options"]
+        train = entry["train_defaults"]
+        if train:
+            lines.append("  its own training defaults: " + " ".join(f"train.{k}={train[k]}" for k in entry["train_order"]))
+        lines.append(f"  presets: {', '.join(entry['presets'])} (`fewclip adapters {name}` lists what each sets)")
+    return lines
+
+
+def cmd_adapters(args: Sequence[str]) -> int:
+    """Every registered method, its options with their help, and its own training defaults (from the index where
+    every method is fewclip's own); a method named: also its presets, field by field (imports the methods)."""
+    _, names = parse_command("adapters", args, NoOptions)
+    methods = None if names else load_index()
+    plugins = [ep for ep in entry_points_of("fewclip.adapters") if not is_builtin(ep.value)]
+    lines = adapter_listing(methods) if methods is not None and not plugins else None
+    if lines is None:
+        # Imported here: the methods' modules load torch and open_clip (seconds), which the listing from the index
+        # does not need.
+        return importlib.import_module(HEAVY).cmd_adapters(args)
+    print("\n".join(lines))
+    return 0

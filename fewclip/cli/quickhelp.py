@@ -45,7 +45,7 @@ def _type(text: str):
     return Optional[inner] if m.group(1) == "Optional" else list[inner]
 
 
-def _section(entry: dict[str, Any]) -> Optional[AdapterConfig]:
+def method_section(entry: dict[str, Any]) -> Optional[AdapterConfig]:
     """A stand-in for the method's config dataclass: the same fields, types, defaults and help."""
     specs = []
     for f in entry["fields"]:
@@ -63,7 +63,7 @@ def _section(entry: dict[str, Any]) -> Optional[AdapterConfig]:
 def _train(args: Sequence[str]):
     methods = load_index()
     entry = (methods or {}).get(section_name_of(args, "adapter", "coop"))
-    section = _section(entry) if entry is not None else None
+    section = method_section(entry) if entry is not None else None
     yamls, dotlist = split_args(args)
     if section is None or preset_name_of(dotlist, [load_yaml(find_yaml(y)) for y in yamls]) != FEWCLIP:
         return None  # a preset's values are registered with its method

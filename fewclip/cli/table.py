@@ -35,7 +35,7 @@ class Command:
 
 
 HEAVY = "fewclip.cli.commands"  # the commands that load models (torch, open_clip: seconds to import)
-LIGHT = "fewclip.cli.light"  # the commands that load none (report, datasets): a fraction of a second
+LIGHT = "fewclip.cli.light"  # the commands that load none (report, datasets, adapters): a fraction of a second
 
 COMMANDS: tuple[Command, ...] = (
     Command("backbones", (
@@ -81,7 +81,7 @@ COMMANDS: tuple[Command, ...] = (
     Command("adapters", (
         "list the registered adapters (few-shot methods); fewclip adapters NAME adds its presets",
         "(fewclip train adapter=NAME preset=authors: the authors' settings, each with its source)"),
-        f"{HEAVY}:cmd_adapters",
+        f"{LIGHT}:cmd_adapters",
         usage=("usage: fewclip adapters [NAME ...]: the registered methods, each option with its help; NAME: also "
                "its presets (train preset=NAME), each field they set with its source")),
     Command("published", (

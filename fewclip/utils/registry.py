@@ -100,7 +100,7 @@ class Registry(Generic[T]):
         self._loading = True
         try:
             # fewclip's own entries first, so a plugin claiming one of their names fails in its own import.
-            for ep in sorted(_entry_points(self.group), key=lambda ep: not is_builtin(ep.value)):
+            for ep in sorted(entry_points_of(self.group), key=lambda ep: not is_builtin(ep.value)):
                 # Another package's code runs here (its module's import, then its register callable): anything it
                 # raises, SystemExit included (a plugin that calls sys.exit() on import would otherwise end every
                 # command with its exit code and no message), is that plugin failing, named as such. Ctrl-C is not.
@@ -179,7 +179,7 @@ class Registry(Generic[T]):
         return [o for _, o in self.items()]
 
 
-def _entry_points(group: str):
+def entry_points_of(group: str):
     """The entry points of ``group``, each name once (an editable install and a wheel of the same package can
     both be on the path; the first wins, as Python's own import would)."""
     seen, out = set(), []
