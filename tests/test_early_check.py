@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from fewclip.cli.early_check import backbone_hint, check_backbone, open_clip_architectures
+from fewclip.cli.early_check import backbone_hint, check, check_backbone, open_clip_architectures
 from fewclip.utils.errors import InputError
 
 PROBE = ("import sys; from fewclip.cli.main import main; code = main(sys.argv[1:]); "
@@ -22,6 +22,8 @@ PROBE = ("import sys; from fewclip.cli.main import main; code = main(sys.argv[1:
     (["zeroshot", "backbone=ViT-B/32"], "did you mean 'ViT-B-32' (open_clip's spelling of OpenAI's ViT-B/32)?"),
     (["sweep", "sweep.backbones=[toy-clip,RN5O]"], "unknown backbone 'RN5O' (sweep.backbones); did you mean 'RN50'"),
     (["features", "backbone=toy-clipp"], "did you mean 'toy-clip'"),
+    (["train", f"out={__file__}"], "is a file, not a folder; give out= a folder path"),
+    (["sweep", f"out={__file__}/runs"], f"{__file__} is a file, not a folder"),
 ])
 def test_a_typo_is_answered_before_torch_in_under_a_second_of_cpu(args, message):
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -34,7 +36,9 @@ def test_a_typo_is_answered_before_torch_in_under_a_second_of_cpu(args, message)
 
 
 def test_a_good_config_goes_on_to_the_full_command():
-    """No false alarm: the names the full command accepts pass (a card file, an open_clip architecture)."""
+    """No false alarm: the names the full command accepts pass (a card file, an open_clip architecture), and a
+    feature file's out= is a file, not a folder."""
+    check("features", [f"out={__file__}"])
     assert "ViT-B-32" in open_clip_architectures() and "RN50" in open_clip_architectures()
     for name in ("toy-clip", "ViT-B-32", "RN50", "cards/mine.yaml"):
         check_backbone(name)

@@ -15,6 +15,7 @@ from typing import Optional
 
 from fewclip.backbones.names import backbone_hint  # noqa: F401  (re-exported)
 from fewclip.config.compose import ConfigError
+from fewclip.runs.records import check_no_file_in_the_way
 from fewclip.utils.errors import InputError
 
 REFERENCE_DIR = Path(__file__).resolve().parents[1] / "reference"  # fewclip.backbones.backbone.REFERENCE_DIR
@@ -108,6 +109,9 @@ def check(command: str, args: Sequence[str]) -> None:
     cfg = config_of(command, args)
     if cfg is None:
         return
+    out = getattr(cfg, "out", None)
+    if command != "features" and isinstance(out, str) and out:  # features' out is a file; the others' a folder
+        check_no_file_in_the_way(out, "out")
     sweep = getattr(cfg, "sweep", None)
     if sweep is not None and getattr(sweep, "backbones", None):
         for name in sweep.backbones:

@@ -352,14 +352,20 @@ def make_record(run_dir: Path, metrics: Mapping[str, Any], identity: Identity, f
 # ---------------------------------------------------------------------------
 
 
-def prepare_dir(path: str | os.PathLike, what: str = "out") -> Path:
-    """Create the output folder ``path``; a file in the way, or an unwritable place, is a RunDirError."""
+def check_no_file_in_the_way(path: str | os.PathLike, what: str = "out") -> None:
+    """Raise RunDirError where a file stands at ``path`` or at a parent of it, where its folder would go."""
     path = Path(path)
     for p in (path, *path.parents):
         if p.exists() and not p.is_dir():
             raise RunDirError(f"{what}={str(path)!r}: {p} is a file, not a folder; give {what}= a folder path")
         if p.is_dir():
             break
+
+
+def prepare_dir(path: str | os.PathLike, what: str = "out") -> Path:
+    """Create the output folder ``path``; a file in the way, or an unwritable place, is a RunDirError."""
+    path = Path(path)
+    check_no_file_in_the_way(path, what)
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
