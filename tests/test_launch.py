@@ -19,6 +19,7 @@ import torch
 
 from fewclip.cli.main import main
 from fewclip.runs import records
+from fewclip.runs.launch.ray_tasks import NICENESS_ENV, worker_niceness
 from fewclip.utils import locks
 
 SWEEP = """\
@@ -111,9 +112,27 @@ class Killer(threading.Thread):
 def ray_cluster():
     import ray  # in the test extra: CI runs this
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    with worker_niceness(0):  # as run_ray starts a local cluster
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+def test_a_local_ray_cluster_s_workers_are_not_niced(ray_cluster, monkeypatch):
+    """Ray's default worker niceness (15) starves the runs beside any other job; fewclip's local cluster uses 0,
+    and the setting is the environment's only during ray.init."""
+    def niceness():
+        return os.nice(0)
+
+    assert ray_cluster.get(ray_cluster.remote(niceness).remote()) == 0
+    monkeypatch.setenv(NICENESS_ENV, "7")
+    with worker_niceness(3):
+        assert os.environ[NICENESS_ENV] == "3"
+    assert os.environ[NICENESS_ENV] == "7"
+    monkeypatch.delenv(NICENESS_ENV)
+    with worker_niceness(0):
+        pass
+    assert NICENESS_ENV not in os.environ
 
 
 def test_ray_sweep_with_a_worker_killed_mid_run(ray_cluster, spec, reference, tmp_path, capsys):

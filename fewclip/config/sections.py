@@ -314,8 +314,13 @@ class RayConfig(LauncherConfig):
         "for a method that trains the image tower")})
     max_retries: int = field(default=0, metadata={"help": (
         "times a run is retried when its worker dies (0: it is listed as failed, and the next sweep reruns it)")})
+    worker_niceness: int = field(default=0, metadata={"help": (
+        "niceness of the worker processes of a local cluster started for the sweep (Ray's own default, 15, lets "
+        "any other job on the machine starve them; a cluster joined by address keeps its own setting)")})
 
     def __post_init__(self) -> None:
+        if not 0 <= self.worker_niceness <= 19:
+            raise ValueError(f"launcher.worker_niceness must be 0-19, got {self.worker_niceness}")
         if self.cpus is not None and self.cpus < 1:
             raise ValueError(f"launcher.cpus must be >= 1 or null (all), got {self.cpus}")
         if not self.cpus_per_run > 0 or not math.isfinite(self.cpus_per_run):

@@ -12,7 +12,9 @@ filesystem. Worker output goes to each run's ``run.log``, not to the launching t
 from __future__ import annotations
 
 import logging
+import os
 import time
+from contextlib import contextmanager
 
 from fewclip.config.sections import RayConfig
 from fewclip.runs.launch.base import Launcher, LauncherError, gpus_for, register_launcher, require_extra
@@ -20,6 +22,26 @@ from fewclip.runs.launch.progress import SweepProgress
 from fewclip.runs.launch.worker import RunResult, RunSpec, execute_run, worker_setup
 
 log = logging.getLogger(__name__)
+NICENESS_ENV = "RAY_worker_niceness"  # Ray's setting (ray._private.ray_constants.RAY_WORKER_NICENESS)
+
+
+@contextmanager
+def worker_niceness(niceness: int):
+    """The niceness of the worker processes of a Ray cluster started inside (Ray reads it from the environment of
+    the processes ``ray.init`` starts, ``RAY_worker_niceness``; set only for that call, then put back as it was).
+
+    Why: Ray starts its workers at niceness 15, so beside any other job on the machine they get almost no CPU.
+    Measured on this project's 2-core CPU beside two single-thread jobs (load about 3): importing fewclip's methods
+    in two Ray workers took 128 s at 15 and 7.6 s at 0."""
+    before = os.environ.get(NICENESS_ENV)
+    os.environ[NICENESS_ENV] = str(int(niceness))
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(NICENESS_ENV, None)
+        else:
+            os.environ[NICENESS_ENV] = before
 
 
 def describe_ray(cfg: RayConfig) -> str:
@@ -40,7 +62,8 @@ def run_ray(cfg, specs: list[RunSpec], progress: SweepProgress, poll_s: float = 
         if cfg.address:
             ray.init(address=cfg.address, **kwargs)
         else:
-            ray.init(num_cpus=cfg.cpus, **kwargs)
+            with worker_niceness(cfg.worker_niceness):
+                ray.init(num_cpus=cfg.cpus, **kwargs)
             started = True
     resources = ray.cluster_resources()
     log.info("sweep: Ray cluster with %g CPU(s) and %g GPU(s); %g CPU(s) and %g GPU(s) per run",
