@@ -91,8 +91,6 @@ def cmd_report(args: Sequence[str]) -> int:
     return 0
 
 
-
-
 def adapter_listing(methods: dict[str, Any]) -> Optional[list[str]]:
     """The lines of ``fewclip adapters`` (every method) from the adapter index, as ``fewclip.cli.commands`` prints
     them from the imported methods; None where a method's section cannot be rebuilt from the index."""

@@ -203,8 +203,7 @@ def check_finite(metrics: Mapping[str, Any], tensors: Optional[Mapping[str, Any]
                              f"(a diverged training: lower train.lr, or check the data)")
     for name, t in (tensors or {}).items():
         if getattr(t, "is_floating_point", lambda: False)():
-
-            finite = t.isfinite()
+            finite = t.isfinite()  # a tensor's own method: this module does not import torch
             if not bool(finite.all()):
                 n = int((~finite).sum())
                 raise NonFiniteError(f"{where}adapter tensor {name!r} holds {n} non-finite value(s); the run is not "
