@@ -94,7 +94,7 @@ def test_the_adapter_listing_imports_the_methods_for_a_plugin_a_name_or_a_stale_
     light.cmd_adapters(["coop"])  # one method in detail: its presets field by field
     plugin = type("EntryPoint", (), {"name": "mine", "value": "my_pkg.methods"})()
     with monkeypatch.context() as m:
-        m.setattr(light, "entry_points_of", lambda group: [plugin])
+        m.setattr(light, "plugin_entry_points", lambda group: [plugin])
         light.cmd_adapters([])
     with monkeypatch.context() as m:
         m.setattr(light, "load_index", lambda: None)

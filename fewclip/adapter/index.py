@@ -48,6 +48,12 @@ def source_fingerprint() -> str:
     return h.hexdigest()
 
 
+def summary_of(adapter_cls: type) -> str:
+    """A method's one-line summary: the first line of its module's docstring."""
+    doc = (importlib.import_module(adapter_cls.__module__).__doc__ or "").strip().splitlines()
+    return doc[0] if doc else ""
+
+
 def build_index() -> dict[str, Any]:
     """The index of the registered methods that ``fewclip.adapters`` defines (imports them, and torch)."""
     from fewclip.adapter.base import ADAPTERS  # the one place that needs the methods: building the file
@@ -60,11 +66,10 @@ def build_index() -> dict[str, Any]:
         fields = [{"name": f.name, "type": str(f.type), "default": getattr(default, f.name),
                    "help": str(f.metadata.get("help", "")) if f.metadata else ""}
                   for f in dataclasses.fields(info.config_cls)]
-        doc = (importlib.import_module(info.adapter_cls.__module__).__doc__ or "").strip().splitlines()
         methods[name] = {"config": info.config_cls.__name__, "fields": fields, "trains": info.trains,
                          "train_defaults": dict(info.adapter_cls.train_defaults),
                          "train_order": list(info.adapter_cls.train_defaults),  # the file's keys are sorted
-                         "summary": doc[0] if doc else "", "presets": list(presets_of(name))}
+                         "summary": summary_of(info.adapter_cls), "presets": list(presets_of(name))}
     return {"format": FORMAT, "fingerprint": source_fingerprint(), "methods": methods}
 
 

@@ -2,7 +2,6 @@
 functions. ``fewclip.cli.main`` imports this module only when a command runs (``fewclip --help`` stays light)."""
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -13,10 +12,11 @@ from typing import Any, Optional
 from fewclip import api
 from fewclip.adapter.base import ADAPTERS, adapter_info
 from fewclip.adapter.exports import load_prompts
+from fewclip.adapter.index import summary_of
 from fewclip.backbones.backbone import describe_backbone_source, list_backbones
 from fewclip.backbones.importer import formats_usage, import_from_args
 from fewclip.cli.features import cmd_features as features_command
-from fewclip.cli.light import NoOptions, parse_command
+from fewclip.cli.light import NoOptions, method_lines, parse_command, presets_line
 from fewclip.cli.predict_files import check_out, expand_images, write_predictions
 from fewclip.cli.quickhelp import HEADER
 from fewclip.cli.table import BY_NAME  # each command's usage line
@@ -213,18 +213,13 @@ def cmd_adapters(args: Sequence[str]) -> int:
     _, names = parse_command("adapters", args, NoOptions)
     for name in names or ADAPTERS.names():
         info = adapter_info(name)
-        doc = (importlib.import_module(info.adapter_cls.__module__).__doc__ or "").strip().splitlines()
         source = ADAPTERS.source(name)
-        print(f"{name}: {doc[0] if doc else ''}" + ("" if source.startswith("fewclip.") else f"  [from {source}]"))
-        options = [line for line in describe_config(info.config_cls()) if not line.startswith("name:")]
-        print("\n".join("  adapter." + line for line in options) if options else "  no options")
-        train = info.adapter_cls.train_defaults
-        if train:
-            print("  its own training defaults: " + " ".join(f"train.{k}={v}" for k, v in train.items()))
+        head = summary_of(info.adapter_cls) + ("" if source.startswith("fewclip.") else f"  [from {source}]")
         if names:  # one method in detail: its presets, field by field with their sources
-            print("\n".join("  " + line for line in describe_presets(name, preset_defaults(info))))
+            tail = ["  " + line for line in describe_presets(name, preset_defaults(info))]
         else:
-            print(f"  presets: {', '.join(presets_of(name))} (`fewclip adapters {name}` lists what each sets)")
+            tail = [presets_line(name, list(presets_of(name)))]
+        print("\n".join(method_lines(name, head, info.config_cls(), dict(info.adapter_cls.train_defaults), tail)))
     return 0
 
 

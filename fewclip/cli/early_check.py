@@ -58,11 +58,10 @@ def check_backbone(name: str, key: str = "backbone") -> None:
 def check_adapter(args: Sequence[str]) -> None:
     """Refuse a method name that is not one of fewclip's own (from the adapter index), where no plugin adds
     methods (a plugin's names are known only once it is imported: the full command checks those)."""
-    import importlib.metadata
 
     from fewclip.adapter.index import load_index
     from fewclip.config.compose import section_name_of
-    from fewclip.utils.registry import UnknownNameError, is_builtin
+    from fewclip.utils.registry import UnknownNameError, plugin_entry_points
 
     if "fewclip.adapter.base" in sys.modules:  # the registry is live in this process (a method registered in Python)
         return
@@ -70,7 +69,7 @@ def check_adapter(args: Sequence[str]) -> None:
     index = load_index()
     if not index or name in index:
         return
-    if any(not is_builtin(ep.value.split(":")[0]) for ep in importlib.metadata.entry_points(group="fewclip.adapters")):
+    if plugin_entry_points("fewclip.adapters"):
         return
     close = difflib.get_close_matches(name, list(index), n=3, cutoff=0.6)
     hint = f"did you mean {' or '.join(repr(c) for c in close)}? " if close else ""

@@ -26,7 +26,7 @@ from fewclip.config.report import ReportOptions
 from fewclip.data.base import DATASETS, build_dataset
 from fewclip.data.image_check import describe_bad, find_bad_images, n_images
 from fewclip.report import write_report
-from fewclip.utils.registry import entry_points_of, is_builtin
+from fewclip.utils.registry import plugin_entry_points
 
 
 @dataclasses.dataclass
@@ -91,6 +91,20 @@ def cmd_report(args: Sequence[str]) -> int:
     return 0
 
 
+def method_lines(name: str, head: str, section, train: dict[str, Any], tail: Sequence[str]) -> list[str]:
+    """One method in ``fewclip adapters``: ``name: head``, its options with their help (``section``, its config
+    dataclass or the index's stand-in), its own training defaults in their order, then ``tail``."""
+    options = [line for line in describe_config(section) if not line.startswith("name:")]
+    lines = [f"{name}: {head}", *(["  adapter." + line for line in options] if options else ["  no options"])]
+    if train:
+        lines.append("  its own training defaults: " + " ".join(f"train.{k}={v}" for k, v in train.items()))
+    return lines + list(tail)
+
+
+def presets_line(name: str, presets: Sequence[str]) -> str:
+    return f"  presets: {', '.join(presets)} (`fewclip adapters {name}` lists what each sets)"
+
+
 def adapter_listing(methods: dict[str, Any]) -> Optional[list[str]]:
     """The lines of ``fewclip adapters`` (every method) from the adapter index, as ``fewclip.cli.commands`` prints
     them from the imported methods; None where a method's section cannot be rebuilt from the index."""
@@ -100,13 +114,8 @@ def adapter_listing(methods: dict[str, Any]) -> Optional[list[str]]:
         section = method_section(entry)
         if section is None:
             return None
-        lines.append(f"{name}: {entry['summary']}")
-        options = [line for line in describe_config(section) if not line.startswith("name:")]
-        lines += ["  adapter." + line for line in options] if options else ["  no options"]
-        train = entry["train_defaults"]
-        if train:
-            lines.append("  its own training defaults: " + " ".join(f"train.{k}={train[k]}" for k in entry["train_order"]))
-        lines.append(f"  presets: {', '.join(entry['presets'])} (`fewclip adapters {name}` lists what each sets)")
+        train = {k: entry["train_defaults"][k] for k in entry["train_order"]}  # the file's keys are sorted
+        lines += method_lines(name, entry["summary"], section, train, [presets_line(name, entry["presets"])])
     return lines
 
 
@@ -115,7 +124,7 @@ def cmd_adapters(args: Sequence[str]) -> int:
     every method is fewclip's own); a method named: also its presets, field by field (imports the methods)."""
     _, names = parse_command("adapters", args, NoOptions)
     methods = None if names else load_index()
-    plugins = [ep for ep in entry_points_of("fewclip.adapters") if not is_builtin(ep.value)]
+    plugins = plugin_entry_points("fewclip.adapters")
     lines = adapter_listing(methods) if methods is not None and not plugins else None
     if lines is None:
         # Imported here: the methods' modules load torch and open_clip (seconds), which the listing from the index

@@ -179,6 +179,11 @@ class Registry(Generic[T]):
         return [o for _, o in self.items()]
 
 
+def plugin_entry_points(group: str) -> list:
+    """The entry points of ``group`` that another package than fewclip provides."""
+    return [ep for ep in entry_points_of(group) if not is_builtin(ep.value.split(":")[0])]
+
+
 def entry_points_of(group: str):
     """The entry points of ``group``, each name once (an editable install and a wheel of the same package can
     both be on the path; the first wins, as Python's own import would)."""
