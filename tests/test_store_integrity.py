@@ -55,10 +55,10 @@ def zeroshot(root: Path, out: Path, **env) -> dict:
 
 
 def messages(capsys, text):
-    """The distinct log lines of the commands run since the last call that contain ``text``, without their
-    time of day (one message logged twice a second apart is still one)."""
-    return sorted({re.sub(r"^\d\d:\d\d:\d\d ", "", line) for line in capsys.readouterr().err.splitlines()
-                   if text in line})
+    """The log lines of the commands run since the last call that contain ``text``, each as often as it was
+    logged (a message said twice counts twice), without their time of day."""
+    return [re.sub(r"^\d\d:\d\d:\d\d ", "", line) for line in capsys.readouterr().err.splitlines()
+            if text in line]
 
 
 def test_pixels_replaced_in_place_are_encoded_again(renders, tmp_path, capsys):

@@ -142,6 +142,7 @@ class StoreGroup:
         self.address = addr
         self.digest = _digest(addr)[:40]
         self.dir = store.root / f"v{VERSION}" / self.digest
+        self._told_changed: set[Path] = set()  # entries already reported as made from other images
 
     def shard_path(self, ids: Sequence[str]) -> Path:
         return self.dir / f"{ids_digest(ids)}.safetensors"
@@ -175,8 +176,10 @@ class StoreGroup:
         if dataset is not None:
             bad, stale = changed(dataset, items, source, verify)
             if bad:
-                log.warning("feature store: %d of %d image(s) of %s changed since their features were stored "
-                            "(e.g. %s); encoding them again", len(bad), len(ids), dataset.name, bad[0])
+                if path not in self._told_changed:  # read again under the encode lock: one message, not two
+                    self._told_changed.add(path)
+                    log.warning("feature store: %d of %d image(s) of %s changed since their features were "
+                                "stored (e.g. %s); encoding them again", len(bad), len(ids), dataset.name, bad[0])
                 return None
             if stale:  # the same images with new times (a copy): store their current records
                 try:
