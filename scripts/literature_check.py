@@ -48,7 +48,7 @@ def main(argv) -> int:
     if bad:
         print(f"literature_check: unknown protocol(s) {bad}; pick from {', '.join(SWEEPS)}", file=sys.stderr)
         return 2
-    from fewclip.report.literature import load_sweep_runs, measured_side, published_side, render
+    from fewclip.report.literature import load_sweep_runs, mean_over_backbones, per_backbone_side, published_side, render
     from fewclip.runs.sweep import load_sweep_config, run_sweep
     from fewclip.utils.errors import FewclipError
 
@@ -75,8 +75,8 @@ def main(argv) -> int:
         print(f"literature_check: no finished runs under {', '.join(folders)}; run without --read-only first",
               file=sys.stderr)
         return 1
-    got, notes = measured_side(runs)
-    print(render(published_side(), got, notes, folders))
+    per_bb, notes = per_backbone_side(runs)
+    print(render(published_side(), mean_over_backbones(per_bb), notes, folders, per_bb))
     return 1 if failed else 0
 
 

@@ -6,7 +6,19 @@ from pathlib import Path
 import pytest
 
 from fewclip.cli.main import main as cli_main
-from fewclip.report.literature import correlations, findings, harmonic, measured_side, published_side, ranks, reproduced, spearman
+from fewclip.report.literature import (
+    correlations,
+    findings,
+    harmonic,
+    mean_over_backbones,
+    measured_side,
+    per_backbone_side,
+    published_side,
+    ranks,
+    render,
+    reproduced,
+    spearman,
+)
 from fewclip.report.runs import RunResult
 from helpers.scripts import load_script
 
@@ -93,6 +105,25 @@ def test_a_method_run_with_its_protocol_preset_is_compared_as_the_method():
     assert got[("base2new", "new")]["gda"] == pytest.approx(64.0)
     assert notes["presets"] == ["gda[base2new] (base2new)"]
     assert len(notes["presets_left_out"]) == 1 and "b2" in notes["presets_left_out"][0]
+
+
+def test_each_finding_is_judged_on_each_backbone_too():
+    # finding 1 (CoOp new - zero-shot new, published -11.0): b1 -10 (reproduced), b2 +2 (not); their mean -4 (not)
+    def b2n(method, bb, new):
+        return _run(method, "a", bb, 16 if method != "zeroshot" else 0, 1, 0, "base2new", {"base": 80.0, "new": new})
+
+    runs = [b2n("zeroshot", "b1", 70.0), b2n("coop", "b1", 60.0), b2n("zeroshot", "b2", 60.0), b2n("coop", "b2", 62.0)]
+    per_bb, notes = per_backbone_side(runs)
+    assert sorted(per_bb) == ["b1", "b2"] and per_bb["b2"][("base2new", "new")]["coop"] == pytest.approx(62.0)
+    assert mean_over_backbones(per_bb) == measured_side(runs)[0]
+    pub = published_side()
+    f1 = {b: findings(pub.values, t)[0] for b, t in per_bb.items()}
+    assert f1["b1"].verdict is True and f1["b2"].verdict is False
+    text = render(pub, mean_over_backbones(per_bb), notes, ["x"], per_bb)
+    block = text[text.index("  1. "):text.index("  2. ")]
+    assert "measured -4.00: not reproduced" in block and "reproduced on 1 of 2 backbones" in block
+    assert "b1  -10.00: yes" in block and "b2  +2.00: no" in block
+    assert "reproduced on" not in render(pub, mean_over_backbones(per_bb), notes, ["x"])  # the mean only
 
 
 def test_the_linear_probe_crossing_needs_four_shots_measured():

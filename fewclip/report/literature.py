@@ -138,6 +138,13 @@ def measured_side(runs: Iterable) -> tuple[Table, dict[str, list[str]]]:
     """Sweep runs (``fewclip.report.runs.RunResult``) -> (setting -> method -> value, notes). A backbone's value
     for a method is its mean over the tasks it ran on (seed means first); the value is the mean over backbones
     of the methods every listed backbone ran."""
+    per_bb, notes = per_backbone_side(runs)
+    return mean_over_backbones(per_bb), notes
+
+
+def per_backbone_side(runs: Iterable) -> tuple[dict[str, Table], dict[str, list[str]]]:
+    """Sweep runs -> (backbone -> setting -> method -> value, notes): each backbone's value for a method is its
+    mean over the tasks it ran on (seed means first), H the harmonic mean of its averaged base and new."""
     runs = list(runs)
     notes: dict[str, list[str]] = {}
     # A method run with a preset (``gda[base2new]``: its authors' settings for the protocol, as the sweep chose)
@@ -193,10 +200,17 @@ def measured_side(runs: Iterable) -> tuple[Table, dict[str, list[str]]]:
         base, new = table.get(("base2new", "base"), {}), table.get(("base2new", "new"), {})
         for method in set(base) & set(new):
             table[("base2new", "hm")][method] = harmonic(base[method], new[method])
-    out: Table = {}
     notes["backbones"] = sorted(per_bb)
     notes["presets"] = sorted(as_preset)
     notes["presets_left_out"] = sorted(left_out)
+    return {bb: dict(t) for bb, t in sorted(per_bb.items())}, notes
+
+
+def mean_over_backbones(per_bb: Mapping[str, Table]) -> Table:
+    """The mean over backbones of the methods every backbone ran; H from the averaged base and new."""
+    out: Table = {}
+    if not per_bb:
+        return out
     settings = {s for t in per_bb.values() for s in t}
     for s in settings:
         methods = set.intersection(*[set(t.get(s, {})) for t in per_bb.values()])
@@ -206,7 +220,7 @@ def measured_side(runs: Iterable) -> tuple[Table, dict[str, list[str]]]:
     base, new = out.get(("base2new", "base"), {}), out.get(("base2new", "new"), {})
     if base and new:
         out[("base2new", "hm")] = {m: harmonic(base[m], new[m]) for m in set(base) & set(new)}
-    return out, notes
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -335,7 +349,10 @@ def _fmt(x: Optional[float]) -> str:
     return f"{x:+.2f}" if abs(x) < 1000 else f"{x:.0f}"
 
 
-def render(pub: Published, got: Table, notes: Mapping[str, list[str]], runs_from: Sequence[str]) -> str:
+def render(pub: Published, got: Table, notes: Mapping[str, list[str]], runs_from: Sequence[str],
+           per_backbone: Optional[Mapping[str, Table]] = None) -> str:
+    """The printed check; with ``per_backbone`` (``per_backbone_side``), each finding's effect and verdict on
+    each backbone too, and on how many it is reproduced (issue 31 asks for three of the four geometries)."""
     lines = [f"literature check: measured on {', '.join(notes.get('backbones', [])) or 'nothing'} "
              f"(runs under {', '.join(runs_from)}), against results.csv "
              f"({PUBLISHED_BACKBONE} 11-dataset averages; domain shift {DOMAIN_SHIFT_BACKBONE})", ""]
@@ -369,7 +386,17 @@ def render(pub: Published, got: Table, notes: Mapping[str, list[str]], runs_from
             if f.number == 7 else _fmt
         lines.append(f"     published {' / '.join(map(fmt, f.published))}; measured "
                      f"{' / '.join(map(fmt, f.measured))}: {verdict}" + (f" ({f.note})" if f.note else ""))
+        if per_backbone and len(per_backbone) > 1 and f.verdict is not None:
+            each = {bb: findings(pub.values, t)[f.number - 1] for bb, t in per_backbone.items()}
+            told = [v for v in each.values() if v.verdict is not None]
+            lines.append(f"     reproduced on {sum(bool(v.verdict) for v in told)} of {len(told)} backbones:")
+            width = max(map(len, each))
+            lines += [f"       {bb:{width}s}  {' / '.join(map(fmt, v.measured))}: {_MARK[v.verdict]}"
+                      for bb, v in each.items()]
     return "\n".join(lines)
+
+
+_MARK = {True: "yes", False: "no", None: "not measured"}
 
 
 def load_sweep_runs(folders: Sequence[str | Path]) -> list:
