@@ -8,10 +8,11 @@
     python scripts/literature_check.py 'sweep.backbones=[w2-clip]' 'sweep.seeds=[1]' \\
         --fewshot 'sweep.shots=[1,2,4]' --protocols fewshot,domain_shift   # a reduced grid
 
-The sweeps are configs/sweep/literature-w2{,-base2new,-domain-shift}.yaml, run with fewclip's sweep machinery
-(``fewclip.runs.sweep.run_sweep``: a finished run is not run again, so an interrupted check resumes) into
-``<out>/fewshot``, ``<out>/base2new`` and ``<out>/domain-shift``. Positional arguments override every sweep;
-``--fewshot``/``--base2new``/``--domain-shift`` ARG override one. Exit 0 when the check printed, 1 when a sweep
+The sweeps are configs/sweep/literature-w2{,-base2new,-cross-dataset,-domain-shift}.yaml, run with fewclip's
+sweep machinery (``fewclip.runs.sweep.run_sweep``: a finished run is not run again, so an interrupted check
+resumes) into ``<out>/fewshot``, ``<out>/base2new``, ``<out>/cross-dataset`` and ``<out>/domain-shift``.
+Positional arguments override every sweep; ``--fewshot``/``--base2new``/``--cross-dataset``/``--domain-shift`` ARG
+override one. Exit 0 when the check printed, 1 when a sweep
 run failed (the next call runs it again), 2 for bad arguments.
 """
 import argparse
@@ -21,6 +22,7 @@ from pathlib import Path
 
 SWEEPS = {"fewshot": ("sweep/literature-w2.yaml", "fewshot"),
           "base2new": ("sweep/literature-w2-base2new.yaml", "base2new"),
+          "cross_dataset": ("sweep/literature-w2-cross-dataset.yaml", "cross-dataset"),
           "domain_shift": ("sweep/literature-w2-domain-shift.yaml", "domain-shift")}
 
 
@@ -31,7 +33,7 @@ def main(argv) -> int:
                     help="the sweeps' parent folder (default runs/literature-w2); with --read-only it may be given\n"
                          "more than once: each method's value is then the mean over the folders (e.g. one per\n"
                          "backbone, as the issue's 4-backbone means)")
-    ap.add_argument("--protocols", default="fewshot,base2new,domain_shift",
+    ap.add_argument("--protocols", default="fewshot,base2new,cross_dataset,domain_shift",
                     help="which sweeps to run and read (default %(default)s)")
     ap.add_argument("--read-only", action="store_true", help="run nothing; read the finished runs")
     for p in SWEEPS:

@@ -27,6 +27,7 @@ PINS = {
     "astra-vision/ProLIP": "b43e795cbf0b53a9b0aa83cf4f47d9755896ba6f",
     "mrflogs/ICLR24": "560fe211700964c915442ff98dbe47dd09656a35",
     "gaopengcuhk/Tip-Adapter": "d0e2d6f8c5feb8b6ce937b757810761f7155d4d5",
+    "MaxZanella/StatA": "eea86375732d12d43eb2deeceb07fcf56c24b02f",
 }
 REPOS = Path(".")
 
@@ -255,6 +256,26 @@ def build():
                     f"{src} ({cells[0]} row; Tip-Adapter paper Figures 4-5)",
                     "RN50 (configs: backbone 'RN50'); CLIP-A is CLIP-Adapter as Tip-Adapter's paper ran it"
                     if cells[0] == "CLIP-A" else "RN50 (configs: backbone 'RN50')")
+
+    # StatA README (the TransCLIP authors' later repository): CLIP and TransCLIP on whole test sets, the
+    # 11-dataset average for ViT-B/16 (the section's script runs vit_b16); TransCLIP's own README has no table.
+    text, src = show("MaxZanella/StatA", "README.md")
+    batch = text.split("## Batch Adaptation")[1]
+    head = next(ln for ln in batch.splitlines() if ln.startswith("|     | Very Low"))
+    heads = [name_of(c) for c in head.strip().strip("|").split("|")]
+    col = next(i for i, h in enumerate(heads) if h.startswith("All Classes"))
+    stata_note = "average of the 11 datasets; ViT-B/16 (the section's script: StatA_batch.sh ... vit_b16); "
+    for cells in md_table(batch, "|     | Very Low"):
+        n = name_of(cells[0])
+        v = num(cells[col].split("<br>")[0].replace("✅", "").replace("❌", ""))
+        if n == "CLIP":
+            add("zeroshot", VIT, "average", "fewshot", 0, "top1", v, f"{src} (Batch Adaptation; All Classes column)",
+                stata_note + "zero-shot CLIP, the baseline of the TransCLIP row of the same table")
+        elif n == "TransCLIP":
+            add("zeroshot+transclip", VIT, "average", "fewshot", 0, "top1", v,
+                f"{src} (Batch Adaptation; All Classes column)",
+                stata_note + "TransCLIP (NeurIPS 2024) on the whole test set, as its authors re-ran it; TransCLIP's "
+                "README Figure 1 prints the same gain for ViT-B/16 (+5.0)")
 
     # One row per (setting, value): the method's own repository first, then the first source that quotes it.
     OWN = {"promptsrc": "muzairkhattak/PromptSRC", "maple": "muzairkhattak/multimodal-prompt-learning",

@@ -56,11 +56,13 @@ def test_the_published_side_reproduces_every_finding_it_has_against_itself():
     assert f[7].published == [4.0]
     assert f[9].published == pytest.approx([63.33 - 58.16, (23.06 + 55.4 + 56.6 + 34.67 - 21.83 - 51.41 - 56.15
                                                             - 33.37) / 4])
-    for n in (1, 2, 3, 4, 5, 6, 7, 9):
+    for n in range(1, 10):
         assert f[n].verdict is True, n
-    assert f[8].verdict is None  # no published TransCLIP row
-    rho = {c.setting: c.rho for c in correlations(pub.values, pub.values)}
-    assert rho["few-shot, 1 shot"] == pytest.approx(1.0)
+    assert f[8].published[0] == pytest.approx(70.3 - 65.36)  # StatA's TransCLIP row, the first zero-shot row
+    rho = {c.setting: c for c in correlations(pub.values, pub.values)}
+    assert rho["few-shot, 1 shot"].rho == pytest.approx(1.0)
+    assert "zeroshot+transclip" in pub.values[("fewshot", 1)]  # transductive: finding 8 only, not ranked
+    assert "zeroshot+transclip" not in rho["few-shot, 1 shot"].methods and "zeroshot" in rho["few-shot, 1 shot"].methods
 
 
 def _run(method, dataset, backbone, shots, seed, top1, protocol="fewshot", evals=None):
@@ -124,6 +126,32 @@ def test_each_finding_is_judged_on_each_backbone_too():
     assert "measured -4.00: not reproduced" in block and "reproduced on 1 of 2 backbones" in block
     assert "b1  -10.00: yes" in block and "b2  +2.00: no" in block
     assert "reproduced on" not in render(pub, mean_over_backbones(per_bb), notes, ["x"])  # the mean only
+
+
+def test_cross_dataset_is_compared_on_imagenet_and_the_ten_other_datasets_mean():
+    from fewclip.published import ELEVEN, PublishedRow
+
+    def row(method, ds, value, source="paper A"):
+        return PublishedRow(method, "ViT-B-16/openai", ds, "cross_dataset", 16, "top1", value, source,
+                            train_dataset="imagenet")
+
+    others = [d for d in ELEVEN if d != "imagenet"]
+    rows = [row("coop", "imagenet", 71.0)] + [row("coop", d, 60.0 + i) for i, d in enumerate(others)]
+    rows += [row("cocoop", "imagenet", 70.0)] + [row("cocoop", d, 66.0) for d in others]
+    rows += [row("coop", d, 10.0, "a later paper's re-run") for d in others]  # not mixed into the first source's
+    rows += [row("maple", "imagenet", 70.7)] + [row("maple", d, 66.0) for d in others[:-1]]  # one target missing
+    pub = published_side(rows)
+    assert pub.values[("cross_dataset", "targets")] == {"coop": pytest.approx(64.5), "cocoop": pytest.approx(66.0)}
+    assert pub.values[("cross_dataset", "source")]["maple"] == pytest.approx(70.7)
+    assert pub.sources[("cross_dataset", "targets")]["coop"] == "paper A"
+    runs = [_run(m, "w2-net", "b1", 16, 1, 0, "cross_dataset", {"source": src, "t1": t, "t2": t + 2})
+            for m, src, t in (("zeroshot", 50.0, 40.0), ("coop", 60.0, 38.0), ("cocoop", 58.0, 41.0))]
+    got, _ = measured_side(runs)
+    assert got[("cross_dataset", "targets")] == {"zeroshot": pytest.approx(41.0), "coop": pytest.approx(39.0),
+                                                 "cocoop": pytest.approx(42.0)}
+    rho = {c.setting: c for c in correlations(pub.values, got)}
+    assert rho["cross-dataset, targets"].methods == ["cocoop", "coop"]  # zero-shot has no published row here
+    assert rho["cross-dataset, source"].methods == ["cocoop", "coop"]
 
 
 def test_the_linear_probe_crossing_needs_four_shots_measured():
