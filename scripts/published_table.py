@@ -28,6 +28,7 @@ PINS = {
     "mrflogs/ICLR24": "560fe211700964c915442ff98dbe47dd09656a35",
     "gaopengcuhk/Tip-Adapter": "d0e2d6f8c5feb8b6ce937b757810761f7155d4d5",
     "MaxZanella/StatA": "eea86375732d12d43eb2deeceb07fcf56c24b02f",
+    "muzairkhattak/ProText": "f63d96bc971f6fde5d55e8e24bc5d93bb463453f",
 }
 REPOS = Path(".")
 
@@ -276,6 +277,21 @@ def build():
                 f"{src} (Batch Adaptation; All Classes column)",
                 stata_note + "TransCLIP (NeurIPS 2024) on the whole test set, as its authors re-ran it; TransCLIP's "
                 "README Figure 1 prints the same gain for ViT-B/16 (+5.0)")
+
+    # ProText README: cross-dataset transfer (16-shot ImageNet -> the ten other datasets), their mean only;
+    # ViT-B/16 (every ProText config), the numbers of CoCoOp's, MaPLe's and PromptSRC's Table 2.
+    text, src = show("muzairkhattak/ProText", "README.md")
+    cross = text.split("### ProText performs favourably well in Cross-dataset benchmark")[1]
+    XD = {"CoOP": "coop", "CoCoOp": "cocoop", "MaPLe": "maple", "PromptSRC": "promptsrc", "CLIP / CuPL": "zeroshot"}
+    for cells in md_table(cross, "| Method"):
+        method = XD.get(name_of(cells[0]))
+        if method:
+            add(method, VIT, "average", "cross_dataset", 0 if method == "zeroshot" else 16, "top1", num(cells[2]),
+                f"{src} (Cross-dataset benchmark)",
+                ("zero-shot CLIP, the README's CLIP / CuPL row (CuPL's ensembles score as CLIP's there)"
+                 if method == "zeroshot" else "trained on 16-shot ImageNet")
+                + "; the mean over the ten other datasets of CoOp's benchmark; ViT-B/16 (ProText's configs)",
+                train_dataset="imagenet")
 
     # One row per (setting, value): the method's own repository first, then the first source that quotes it.
     OWN = {"promptsrc": "muzairkhattak/PromptSRC", "maple": "muzairkhattak/multimodal-prompt-learning",

@@ -140,8 +140,10 @@ def test_cross_dataset_is_compared_on_imagenet_and_the_ten_other_datasets_mean()
     rows += [row("cocoop", "imagenet", 70.0)] + [row("cocoop", d, 66.0) for d in others]
     rows += [row("coop", d, 10.0, "a later paper's re-run") for d in others]  # not mixed into the first source's
     rows += [row("maple", "imagenet", 70.7)] + [row("maple", d, 66.0) for d in others[:-1]]  # one target missing
+    rows += [row("promptsrc", "average", 65.81, "a README with the mean only")]
     pub = published_side(rows)
-    assert pub.values[("cross_dataset", "targets")] == {"coop": pytest.approx(64.5), "cocoop": pytest.approx(66.0)}
+    assert pub.values[("cross_dataset", "targets")] == {"coop": pytest.approx(64.5), "cocoop": pytest.approx(66.0),
+                                                        "promptsrc": pytest.approx(65.81)}
     assert pub.values[("cross_dataset", "source")]["maple"] == pytest.approx(70.7)
     assert pub.sources[("cross_dataset", "targets")]["coop"] == "paper A"
     runs = [_run(m, "w2-net", "b1", 16, 1, 0, "cross_dataset", {"source": src, "t1": t, "t2": t + 2})
@@ -151,6 +153,8 @@ def test_cross_dataset_is_compared_on_imagenet_and_the_ten_other_datasets_mean()
                                                  "cocoop": pytest.approx(42.0)}
     rho = {c.setting: c for c in correlations(pub.values, got)}
     assert rho["cross-dataset, targets"].methods == ["cocoop", "coop"]  # zero-shot has no published row here
+    shipped = published_side().values[("cross_dataset", "targets")]  # ProText's README: the targets' means
+    assert shipped == {"coop": 63.88, "cocoop": 65.74, "maple": 66.3, "promptsrc": 65.81, "zeroshot": 65.15}
     assert rho["cross-dataset, source"].methods == ["cocoop", "coop"]
 
 

@@ -9,7 +9,8 @@
   of each one's published weights file, so a run on a local copy of that file matches too;
 * ``dataset``: fewclip's dataset name (``caltech101``, ``oxford_pets``, ...), or ``average`` for the mean over
   the 11 datasets of CoOp's benchmark (``ELEVEN``); under ``domain_shift``/``cross_dataset`` the test set,
-  with ``train_dataset`` the dataset trained on;
+  with ``train_dataset`` the dataset trained on (a ``cross_dataset`` ``average`` row trained on ``imagenet``:
+  the mean over the ten other datasets, CoCoOp's Table 2 average);
 * ``protocol``: fewclip's protocol names (``fewshot``, ``base2new``, ``cross_dataset``, ``domain_shift``);
 * ``shots`` (0 for zero-shot), ``metric`` (``top1``; ``base``, ``new``, ``hm`` under base2new), ``value`` (%);
 * ``source``: ``owner/repo@commit:path (table)``, the file the number was read from; ``note``: what the row

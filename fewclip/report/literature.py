@@ -146,6 +146,8 @@ def _put_transfer(out: Published, protocol: str, method: str, by_ds: Mapping[str
         out.put((protocol, "source"), method, by_ds["imagenet"], source)
     if all(t in by_ds for t in targets):
         out.put((protocol, "targets"), method, sum(by_ds[t] for t in targets) / len(targets), source)
+    elif AVERAGE in by_ds:  # a source that gives the targets' mean only
+        out.put((protocol, "targets"), method, by_ds[AVERAGE], source)
 
 
 def _mean(xs: Sequence[float]) -> float:
