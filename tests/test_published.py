@@ -248,3 +248,20 @@ def test_domain_shift_runs_match_their_test_sets(tmp_path):
     assert src.mean == pytest.approx(63.5)
     assert src.gap == pytest.approx((63.5 - src.row.value) / 0.5)  # SE of (63, 64) is 0.5
     assert "imagenet (source)" in rep.markdown and "imagenet_a (from imagenet)" in rep.markdown
+
+
+def test_cross_dataset_runs_match_the_mean_over_the_ten_other_datasets(tmp_path):
+    from fewclip.published import ELEVEN
+
+    targets = [d for d in ELEVEN if d != "imagenet"]
+    for seed, shift in ((1, 0.0), (2, 1.0)):
+        evals = {"source": {"top1": 71.0}, **{t: {"top1": 60.0 + i + shift} for i, t in enumerate(targets)}}
+        add_run(tmp_path, "coop", "imagenet", 16, seed, 71.0, protocol="cross_dataset", evals=evals)
+    rep = build_report(tmp_path)
+    avg = [c for c in rep.published if c.row.protocol == "cross_dataset" and c.row.dataset == AVERAGE]
+    assert len(avg) == 1 and avg[0].row.train_dataset == "imagenet" and avg[0].row.value == pytest.approx(63.88)
+    assert avg[0].n == 2 and avg[0].mean == pytest.approx(64.5 + 0.5)  # seed means 64.5 and 65.5
+    add_run(tmp_path, "coop", "imagenet", 16, 3, 71.0, protocol="cross_dataset",
+            evals={"source": {"top1": 71.0}, **{t: {"top1": 99.0} for t in targets[:-1]}})  # one target missing
+    again = [c for c in build_report(tmp_path).published if c.row.dataset == AVERAGE]
+    assert again[0].n == 2  # the seed without all ten targets is not averaged
