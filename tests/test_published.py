@@ -146,6 +146,10 @@ def test_command_lists_filtered_rows(capsys):
     out = capsys.readouterr().out
     expected = published("gda", "caltech101", "fewshot", 16, "top1", "RN50/openai")
     assert f"{expected:.2f}" in out and "mrflogs/ICLR24@" in out and "1 published result(s)" in out
+    assert "over the ten others" not in out
+    assert main(["published", "protocol=cross_dataset", "method=coop"]) == 0
+    out = capsys.readouterr().out
+    assert "average (from imagenet)" in out and "63.88" in out and "over the ten others" in out
     assert main(["published", "colour=red"]) == 2
     assert "unknown argument 'colour=red'" in capsys.readouterr().err
     assert main(["published", "--help"]) == 0

@@ -228,6 +228,7 @@ def command(args: Sequence[str]) -> int:
         print("no published result matches; `fewclip published` alone lists them all", file=sys.stderr)
         return 0
     print(render(rows, opts.sources))
+    transfer = any(r.dataset == AVERAGE and r.train_dataset for r in rows)
     print(f"\n{len(rows)} published result(s); values in %; average = mean over the 11 datasets "
-          f"({', '.join(ELEVEN)})")
+          f"({', '.join(ELEVEN)})" + ("; average (from X): over the ten others, X's targets" if transfer else ""))
     return 0
