@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from fewclip.config.presets import FEWCLIP, parse_label
+from fewclip.data.protocols import TRANSFER_PROTOCOLS
 from fewclip.published import AVERAGE, ELEVEN, PublishedRow, load_table
 
 PUBLISHED_BACKBONE = "ViT-B-16/openai"
@@ -187,7 +188,7 @@ def per_backbone_side(runs: Iterable) -> tuple[dict[str, Table], dict[str, list[
             for m in ("base", "new"):
                 if r.evals.get(m) is not None:
                     cells[key][m].append(r.evals[m])
-        elif r.protocol in ("cross_dataset", "domain_shift"):
+        elif r.protocol in TRANSFER_PROTOCOLS:
             targets = [v for k, v in r.evals.items() if k != "source" and v is not None]
             if r.evals.get("source") is not None:
                 cells[key]["source"].append(r.evals["source"])
@@ -214,7 +215,7 @@ def per_backbone_side(runs: Iterable) -> tuple[dict[str, Table], dict[str, list[
                 per_bb[bb][("fewshot", k)][method] = v
         elif protocol == "base2new":
             per_bb[bb][("base2new", m)][method] = v
-        elif protocol in ("cross_dataset", "domain_shift"):
+        elif protocol in TRANSFER_PROTOCOLS:
             per_bb[bb][(protocol, m)][method] = v
     for bb, table in per_bb.items():  # H from the averaged base and new, per backbone
         base, new = table.get(("base2new", "base"), {}), table.get(("base2new", "new"), {})
@@ -405,6 +406,8 @@ def render(pub: Published, got: Table, notes: Mapping[str, list[str]], runs_from
         rho = "  n/a" if not math.isfinite(c.rho) else f"{c.rho:+.2f}"
         lines.append(f"  {c.setting:70s} {rho}  over {len(c.methods)} methods")
     lines += ["", "## Findings (reproduced: same sign, within a factor of two of the published size)"]
+    per_bb_findings = ({bb: findings(pub.values, t) for bb, t in per_backbone.items()}
+                       if per_backbone and len(per_backbone) > 1 else {})
     for f in findings(pub.values, got):
         verdict = {True: "REPRODUCED", False: "not reproduced", None: "not measured"}[f.verdict]
         lines.append(f"  {f.number}. {f.text}")
@@ -412,8 +415,8 @@ def render(pub: Published, got: Table, notes: Mapping[str, list[str]], runs_from
             if f.number == 7 else _fmt
         lines.append(f"     published {' / '.join(map(fmt, f.published))}; measured "
                      f"{' / '.join(map(fmt, f.measured))}: {verdict}" + (f" ({f.note})" if f.note else ""))
-        if per_backbone and len(per_backbone) > 1 and f.verdict is not None:
-            each = {bb: findings(pub.values, t)[f.number - 1] for bb, t in per_backbone.items()}
+        if per_bb_findings and f.verdict is not None:
+            each = {bb: found[f.number - 1] for bb, found in per_bb_findings.items()}
             told = [v for v in each.values() if v.verdict is not None]
             lines.append(f"     reproduced on {sum(bool(v.verdict) for v in told)} of {len(told)} backbones:")
             width = max(map(len, each))
