@@ -44,9 +44,10 @@ VOCAB_FILE = "w2-vocab.json"
 # a method training it with the authors' absolute step size (ProLIP: Adam, lr 1e-5) moves as far, relative to the
 # features, as it moves ViT-B/16's. Adam's step is about lr on every entry and the entries' changes add up over
 # the projection's fan-in, so the features move by about lr * sqrt(width) / std(proj) of their size: 770 * lr for
-# ViT-B/16 (width 768, proj drawn with std 768**-0.5 = 0.036), 67 * lr for world 2's towers as trained (width 64,
-# std 0.12), 1070 * lr at a sixteenth (round 6's quarter gave 270 * lr, and ProLIP gained a quarter of its
-# published margin over zero-shot). A power of two, so that the rescaled numbers are exact.
+# ViT-B/16 (width 768, proj drawn with std 768**-0.5 = 0.036), 67 * lr for world 2's towers of rounds 6-7 as
+# trained (width 64, std 0.12), 1070 * lr at a sixteenth (round 6's quarter gave 270 * lr, and ProLIP gained a
+# quarter of its published margin over zero-shot); the image tower shipped since round 11 is 128 wide (std 0.088):
+# about 2050 * lr at a sixteenth. A power of two, so that the rescaled numbers are exact.
 PROJECTION_SCALE = 0.0625
 
 
@@ -59,11 +60,11 @@ class World2PretrainConfig:
     lr: float = 2e-3
     weight_decay: float = 0.1
     warmup_steps: int = 100
-    embed_dim: int = 64
-    width: int = 64
+    embed_dim: int = 128  # since round 11 (issue 31): 64 before
+    width: int = 128  # the image tower's width; 64 before round 11
     vision_layers: int = 4
     text_layers: int = 3
-    text_width: Optional[int] = None  # the text tower's width; None: the same as the image tower's (width)
+    text_width: Optional[int] = 96  # the text tower's width (64 before round 11); None: the image tower's (width)
     head_width: int = 16
     patch_size: int = 8  # 16 tokens of 8x8 pixels: a quarter of the first world's ViT cost, for CPU pretraining
     context_length: int = 24  # room for CoOp's 16 context vectors, a name and a tail; captions up to 21 words

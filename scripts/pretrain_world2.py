@@ -1,9 +1,9 @@
 """Pretrain one of world 2's reference backbones (w2-clip, w2-euclip, w2-meru, w2-siglip) on the CPU.
 
-    OMP_NUM_THREADS=1 python scripts/pretrain_world2.py recipe=w2-clip threads=1  # the shipped w2-clip (about 3 min)
+    OMP_NUM_THREADS=1 python scripts/pretrain_world2.py recipe=w2-clip threads=1  # the shipped w2-clip (about 5 min)
     python scripts/pretrain_world2.py recipe=w2-meru steps=100 out=/tmp/meru      # a quick try elsewhere
 
-Writes the weights (fp16 safetensors, < 1 MB), ``w2-vocab.json`` and the card ``<recipe>.yaml`` into ``out``
+Writes the weights (fp16 safetensors, about 2.5 MB), ``w2-vocab.json`` and the card ``<recipe>.yaml`` into ``out``
 (default fewclip/reference). ``python scripts/world2_check.py backbone=<recipe>`` then prints zero-shot and
 1-shot nearest-neighbour accuracy per world-2 task. On a CPU shared with other jobs use one thread: two threads
 there ran about ten times slower per step (each waits for the other when it is descheduled).

@@ -172,7 +172,8 @@ def test_shipped_world2_cards_match_their_weights_and_recipe():
     from omegaconf import OmegaConf
 
     from fewclip.backbones.backbone import REFERENCE_DIR, sha256_file, shipped_cards
-    from fewclip.datasets.world2pretrain import RECIPES, VOCAB_FILE
+    from fewclip.config.compose import load_config
+    from fewclip.datasets.world2pretrain import RECIPES, VOCAB_FILE, World2PretrainConfig, model_config, tokenizer
 
     cards = {n: p for n, p in shipped_cards().items() if n.startswith("w2-")}
     assert cards, "no w2-* card shipped"
@@ -185,6 +186,11 @@ def test_shipped_world2_cards_match_their_weights_and_recipe():
         assert card.geometry.name == RECIPES[name]["geometry"] and card.tokenizer.file == VOCAB_FILE
         assert card.trained_with.command.startswith(f"python scripts/pretrain_world2.py recipe={name} ")
         assert WordTokenizer.load(REFERENCE_DIR / VOCAB_FILE).words == w2.vocabulary()
+        # the script's defaults are the shipped recipe: `recipe=<name> threads=1` alone remakes the shipped weights
+        made_with = load_config(card.trained_with.command.split()[2:], World2PretrainConfig)
+        assert made_with == load_config([f"recipe={name}", f"threads={made_with.threads}"], World2PretrainConfig)
+        assert model_config(made_with, tokenizer(made_with.context_length).vocab_size) == OmegaConf.to_container(
+            card.model_config)
 
 
 def test_the_exported_projection_is_rescaled_without_changing_a_feature():
@@ -197,7 +203,7 @@ def test_the_exported_projection_is_rescaled_without_changing_a_feature():
     bb = load_backbone(BackboneConfig(name="w2-clip", device="cpu"))
     shipped = {k: v.clone() for k, v in bb.model.state_dict().items()}
     features, preproj = bb.encode_images(pixels), bb.encode_images_preproj(pixels)
-    assert shipped["visual.proj"].std() < 0.01  # a sixteenth of the trained scale (about 64 ** -0.5 = 0.12)
+    assert shipped["visual.proj"].std() < 0.01  # a sixteenth of the trained scale (about 128 ** -0.5 = 0.088)
     # the weights as trained (fp16, as save_reference has them before the export), rescaled again: the shipped ones
     trained = {k: v.half() for k, v in shipped.items()}
     trained["visual.proj"] = (shipped["visual.proj"] / PROJECTION_SCALE).half()
