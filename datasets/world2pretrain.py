@@ -46,8 +46,8 @@ VOCAB_FILE = "w2-vocab.json"
 # the projection's fan-in, so the features move by about lr * sqrt(width) / std(proj) of their size: 770 * lr for
 # ViT-B/16 (width 768, proj drawn with std 768**-0.5 = 0.036), 67 * lr for world 2's towers of rounds 6-7 as
 # trained (width 64, std 0.12), 1070 * lr at a sixteenth (round 6's quarter gave 270 * lr, and ProLIP gained a
-# quarter of its published margin over zero-shot); the image tower shipped since round 11 is 128 wide (std 0.088):
-# about 2050 * lr at a sixteenth. A power of two, so that the rescaled numbers are exact.
+# quarter of its published margin over zero-shot); the image tower shipped since round 11 is 128 wide (std 0.085
+# as trained): about 2130 * lr at a sixteenth. A power of two, so that the rescaled numbers are exact.
 PROJECTION_SCALE = 0.0625
 
 
